@@ -1,0 +1,204 @@
+"""``mpengine generate | serve | stats``: the command line.
+
+Engine flags map one to one onto ``EngineConfig`` fields (``--max-num-seqs`` ->
+``max_num_seqs``); their help comes from ``config.HELP``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+import types
+import typing
+
+import msgspec
+
+from mpengine.config import HELP, EngineConfig
+
+_NONE = object()
+
+
+def _arg_type(annotation: object) -> tuple[type, list | None]:
+    """The argparse type and choices of a config field's annotation."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _arg_type(args[0])
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in args if a is not type(None)]
+        return _arg_type(inner)
+    if origin is typing.Literal:
+        return type(args[0]), list(args)
+    return annotation, None  # type: ignore[return-value]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig, include_extras=True)
+    defaults = EngineConfig()
+    for name in EngineConfig.__struct_fields__:
+        kind, choices = _arg_type(hints[name])
+        default = getattr(defaults, name)
+        help_text = HELP[name] + (f" (default: {default})" if default not in (None, "") else "")
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=kind,
+            choices=choices,
+            default=_NONE,
+            help=help_text,
+        )
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {
+        name: getattr(args, name)
+        for name in EngineConfig.__struct_fields__
+        if getattr(args, name, _NONE) is not _NONE
+    }
+    try:
+        return EngineConfig.from_kwargs(**values)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise SystemExit(f"mpengine: invalid engine configuration: {exc}") from None
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: all)")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below p * max")
+    group.add_argument(
+        "--sampling-seed",
+        dest="sampling_seed",
+        type=int,
+        default=None,
+        help="per-request seed (reproducible samples)",
+    )
+    group.add_argument("--n", type=int, default=1, help="samples per prompt")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token")
+
+
+def sampling_from_args(args: argparse.Namespace):
+    from mpengine.protocol import SamplingParams
+
+    try:
+        return SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.sampling_seed,
+            n=args.n,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            logprobs=args.logprobs,
+        ).validate()
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise SystemExit(f"mpengine: invalid sampling parameters: {exc}") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from mpengine.launch import Engine
+
+    params = sampling_from_args(args)
+    prompts = args.prompt or ["The quick brown fox"]
+    with Engine(config_from_args(args)) as engine, engine.client() as client:
+        if args.stream and len(prompts) == 1 and params.n == 1:
+            for delta in client.stream(prompts[0], params):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            return 0
+        start = time.perf_counter()
+        outputs = client.generate_many(prompts, params)
+        elapsed = time.perf_counter() - start
+    for prompt, out in zip(prompts, outputs, strict=True):
+        for sample in out.outputs:
+            if args.json:
+                record = {
+                    "prompt": prompt,
+                    "index": sample.index,
+                    "text": sample.text,
+                    "token_ids": sample.token_ids,
+                    "finish_reason": sample.finish_reason,
+                }
+                print(json.dumps(record, ensure_ascii=False))
+            else:
+                print(f"{prompt}{sample.text}")
+                print(f"  [{len(sample.token_ids)} tokens, finish_reason={sample.finish_reason}]")
+    num_tokens = sum(len(s.token_ids) for o in outputs for s in o.outputs)
+    print(
+        f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tokens/s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mpengine.launch import Engine
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with Engine(config_from_args(args)) as engine:
+        print(f"mpengine: serving {engine.model.model_path} at {engine.address}", flush=True)
+        while not stop.wait(0.5):
+            if engine.dead:
+                print(f"mpengine: {engine.dead}", file=sys.stderr)
+                return 1
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from mpengine.client import Client
+
+    with Client(args.address, timeout=args.timeout) as client:
+        print(json.dumps(msgspec.to_builtins(client.stats()), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mpengine",
+        description="An LLM engine core whose scheduler, executor and output processor run as "
+        "three OS processes.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="launch an engine, complete prompts, print them")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per sample")
+    add_sampling_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    serve = sub.add_parser("serve", help="run an engine until SIGTERM; clients connect to it")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    stats = sub.add_parser("stats", help="print a running engine's scheduler counters")
+    stats.add_argument("address", help="the engine's request address (ipc://... or tcp://...)")
+    stats.add_argument("--timeout", type=float, default=10.0)
+    stats.set_defaults(func=cmd_stats)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""EngineConfig: one frozen struct, validated once, resolved before the stages spawn.
+
+CLI flags map one to one onto its fields (``--max-num-seqs`` -> ``max_num_seqs``). The
+resolved config travels to each stage as msgpack bytes, so every process sees the same
+values; nothing reads the environment after start except the debug switches in ``envs``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+Runtime = Literal["processes", "serial"]
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Everything the engine needs to start (``HELP`` says what each field means)."""
+
+    model: str = "tiny"
+    tokenizer: str | None = None
+    runtime: Runtime = "processes"
+    async_depth: Annotated[int, Meta(ge=0, le=1)] = 1
+    block_size: Annotated[int, Meta(ge=1, le=1024)] = 16
+    kv_cache_bytes: Annotated[int, Meta(ge=1)] | None = None
+    gpu_memory_utilization: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.9
+    num_gpu_blocks_override: Annotated[int, Meta(ge=1)] | None = None
+    max_num_seqs: Annotated[int, Meta(ge=1)] = 256
+    max_num_batched_tokens: Annotated[int, Meta(ge=1)] = 2048
+    max_model_len: Annotated[int, Meta(ge=2)] | None = None
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_threads: Annotated[int, Meta(ge=1)] | None = None
+    seed: int = 0
+    engine_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,16}$")] = ""
+    address: str | None = None
+    max_request_bytes: Annotated[int, Meta(ge=1024)] = 16 * MiB
+    ring_bytes: Annotated[int, Meta(ge=64 * 1024)] = 8 * MiB
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    startup_timeout: Annotated[float, Meta(gt=0)] = 300.0
+
+    def __post_init__(self) -> None:
+        if self.address and not self.address.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"address must be ipc://DIR or tcp://HOST:PORT, got {self.address!r}")
+
+    def resolve(self) -> EngineConfig:
+        """Derived defaults that need no model: engine id, thread count."""
+        updates: dict = {}
+        if not self.engine_id:
+            updates["engine_id"] = uuid.uuid4().hex[:8]
+        if self.num_threads is None:
+            cores = len(os.sched_getaffinity(0))
+            # Processes: the scheduler and output stages need a core between them.
+            updates["num_threads"] = max(1, cores - 1) if self.runtime == "processes" else cores
+        return msgspec.structs.replace(self, **updates) if updates else self
+
+    @property
+    def num_slots(self) -> int:
+        """Executor state slots: a finished sequence keeps its slot until no planned step
+        still touches it, so under async depth 1 up to twice ``max_num_seqs`` are held."""
+        return 2 * self.max_num_seqs
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> EngineConfig:
+        return msgspec.msgpack.decode(data, type=cls)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        """Build and validate (constraints are only checked when converting)."""
+        return msgspec.convert(kwargs, cls)
+
+
+HELP = {
+    "model": "a local Hugging Face model directory, or a built-in tiny model: tiny (Qwen3), "
+    "tiny-llama, tiny-gpt2, small",
+    "tokenizer": "tokenizer directory (default: the model directory)",
+    "runtime": "processes: scheduler, executor and output processor as three OS processes; "
+    "serial: one process, one loop (debugging, baseline)",
+    "async_depth": "how many steps the scheduler may run ahead of output processing (0 or 1)",
+    "block_size": "tokens per KV cache block",
+    "kv_cache_bytes": "KV cache size on the CPU (default 1 GiB)",
+    "gpu_memory_utilization": "fraction of free GPU memory for the KV cache (CUDA only)",
+    "num_gpu_blocks_override": "exact number of KV blocks, overriding the byte sizing",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "token budget of one step (longer prompts are chunked)",
+    "max_model_len": "longest prompt + output (default: the model's maximum positions)",
+    "dtype": "model and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+    "device": "where the model runs",
+    "num_threads": "torch threads in the executor (default: all cores but one in the processes "
+    "runtime, all cores in the serial one)",
+    "seed": "seed of the sampler for requests without their own seed",
+    "engine_id": "names the engine's shm segments and runtime directory (default: random)",
+    "address": "ipc:///DIR for DIR/requests.sock and DIR/outputs.sock (default: a private "
+    "runtime directory), or tcp://HOST:PORT (requests on PORT, outputs on PORT+1)",
+    "max_request_bytes": "largest request frame a client may send",
+    "ring_bytes": "capacity of each shared-memory ring",
+    "log_level": "log level of every stage (DEBUG logs each scheduling decision)",
+    "startup_timeout": "seconds to wait for the stages to load and report ready",
+}

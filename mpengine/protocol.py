@@ -1,0 +1,515 @@
+"""Every message that crosses a process boundary.
+
+Channels and their decoders (one typed ``Decoder`` per channel, dispatch with ``match``):
+
+    client  -> scheduler   ZMQ    ClientRequest   = Hello | AddRequest | Abort | StatsQuery
+    scheduler -> client    ZMQ    SchedulerReply  = EngineInfo | RequestError | EngineStats
+    client  -> output      ZMQ    Hello
+    output  -> client      ZMQ    OutputReply     = Hello | OutputBatch
+    scheduler -> output    ring   Announcement    = NewRequest | AbortRequests
+    scheduler -> executor  ring   StepPlan
+    executor  -> output    ring   StepResult
+    output  -> scheduler   ring   Feedback
+    launcher <-> stages    pipe   Control         = ModelInfo | StageReady | StageFailed
+
+Wire structs are ``array_like`` (positional, no field names on the wire), ``omit_defaults``
+and tagged by class name. Token ids, logprobs and embeddings travel as :class:`Array`, raw
+bytes with a dtype and shape, never as Python lists on the hot path.
+
+Validation lives in the types: constraints are checked when a frame is decoded, so a bad
+request fails with a message naming the field (``Expected `float` >= 0.0 - at
+`$[3][1]```...). ``SamplingParams.validate`` gives the same check before sending. A malformed
+frame raises ``msgspec.DecodeError`` or ``msgspec.ValidationError``, nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Literal
+
+import msgspec
+import numpy as np
+from msgspec import Meta
+
+_WIRE = {"array_like": True, "omit_defaults": True, "tag": True, "gc": False}
+
+_ITEMSIZE = {"int32": 4, "int64": 8, "float16": 2, "float32": 4, "bool": 1}
+Dtype = Literal["int32", "int64", "float16", "float32", "bool"]
+_ITEMSIZE = {"int32": 4, "int64": 8, "float16": 2, "float32": 4, "bool": 1}
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosInt = Annotated[int, Meta(ge=1)]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class Array(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A numpy array as raw little-endian bytes with its dtype and shape."""
+
+    dtype: Dtype
+    shape: tuple[NonNegInt, ...]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.data) != math.prod(self.shape) * _ITEMSIZE[self.dtype]:
+            raise ValueError(f"Array data is {len(self.data)} bytes, shape {self.shape} needs more")
+
+    @classmethod
+    def of(cls, values: np.ndarray | list[int] | list[float], dtype: Dtype = "int32") -> Array:
+        arr = np.ascontiguousarray(values, dtype=dtype)
+        return cls(dtype, arr.shape, arr.tobytes())
+
+    def numpy(self) -> np.ndarray:
+        """A read-only view of the bytes (no copy)."""
+        return np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+
+EMPTY_IDS = Array("int32", (0,), b"")
+
+
+# -- request parameters ------------------------------------------------------------------
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown_fields=True):
+    """How to sample one request (the fields and meanings of vLLM's ``SamplingParams``).
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` disables top-k; ``top_p == 1`` and
+    ``min_p == 0`` disable those. ``seed`` makes a request's samples reproducible whatever
+    else shares its batches. ``logprobs=N`` returns the N most likely tokens at each step
+    (plus the sampled one); ``prompt_logprobs=N`` does the same for prompt positions.
+    """
+
+    max_tokens: PosInt = 16
+    temperature: Annotated[float, Meta(ge=0.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: NonNegInt = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    seed: int | None = None
+    n: Annotated[int, Meta(ge=1, le=64)] = 1
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    stop: list[str] = []
+    stop_token_ids: list[NonNegInt] = []
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) > max_tokens ({self.max_tokens})")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def validate(self) -> SamplingParams:
+        """Check the constraints now (msgspec checks them on decode, not on construction)."""
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(self), type=SamplingParams)
+
+
+class PoolingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown_fields=True):
+    """How to turn an encoder's hidden states into one embedding."""
+
+    pooling: Literal["last", "mean", "cls"] | None = None  # None: the model's default
+    normalize: bool = True
+    dimensions: PosInt | None = None  # Matryoshka truncation
+
+    def validate(self) -> PoolingParams:
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(self), type=PoolingParams)
+
+
+# -- client <-> scheduler ----------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, **_WIRE):
+    """First message of a client on each of its sockets; the engine answers it."""
+
+    client_id: str
+    protocol_version: int = 1
+
+
+class AddRequest(msgspec.Struct, **_WIRE):
+    request_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    prompt_token_ids: Array
+    sampling: SamplingParams | None = None
+    pooling: PoolingParams | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.sampling is None) == (self.pooling is None):
+            raise ValueError("exactly one of sampling and pooling must be given")
+        if self.prompt_token_ids.dtype != "int32" or len(self.prompt_token_ids.shape) != 1:
+            raise ValueError("prompt_token_ids must be a 1-D int32 array")
+
+
+class RequestHeader(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="AddRequest"
+):
+    """The leading field of an ``AddRequest``: lets the scheduler name a request whose
+    frame failed validation in its reply (array-like decoding ignores trailing fields)."""
+
+    request_id: str
+
+
+class Abort(msgspec.Struct, **_WIRE):
+    request_ids: list[str]
+
+
+class EngineInfo(msgspec.Struct, **_WIRE):
+    """The start-up handshake: what a client needs to know about the engine."""
+
+    engine_id: str
+    model: str
+    tokenizer: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    eos_token_ids: list[int]
+    runtime: str
+    async_depth: int
+    is_embedding: bool = False
+    request_address: str = ""
+    output_address: str = ""
+    max_request_bytes: int = 0
+    version: str = ""
+
+
+class RequestError(msgspec.Struct, **_WIRE):
+    """A request was rejected; the engine keeps serving the others."""
+
+    request_id: str
+    message: str
+    kind: Literal["invalid", "too_large", "unknown", "overloaded", "internal"] = "invalid"
+
+
+class StatsQuery(msgspec.Struct, **_WIRE):
+    query_id: int
+
+
+class EngineStats(msgspec.Struct, **_WIRE):
+    """The scheduler's counters and queue sizes (``mpengine top``, tests, metrics)."""
+
+    query_id: int
+    step: int
+    done: int
+    num_waiting: int
+    num_running: int
+    num_preempted: int
+    num_free_blocks: int
+    num_blocks: int
+    admitted: int
+    finished: int
+    aborted: int
+    preemptions: int
+    forked_blocks: int
+
+
+ClientRequest = Hello | AddRequest | Abort | StatsQuery
+SchedulerReply = EngineInfo | RequestError | EngineStats
+
+
+# -- output processor -> client ----------------------------------------------------------
+
+
+class Logprobs(msgspec.Struct, array_like=True, gc=False):
+    """Per position: the chosen token's logprob and the top-N alternatives.
+
+    ``token_ids`` and ``logprobs`` are ``[num_positions]``; ``top_ids`` and ``top_logprobs``
+    are ``[num_positions, N]``.
+    """
+
+    token_ids: Array
+    logprobs: Array
+    top_ids: Array
+    top_logprobs: Array
+
+
+class OutputDelta(msgspec.Struct, **_WIRE):
+    """What one sample of a request produced since the last delta."""
+
+    request_id: str
+    index: int  # which of the n samples
+    token_ids: Array
+    text: str
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None  # with the first delta of sample 0
+    embedding: Array | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    # Timings (seconds since the epoch), on the final delta.
+    arrival_time: float = 0.0
+    scheduled_time: float = 0.0
+    first_token_time: float = 0.0
+    finished_time: float = 0.0
+
+
+class OutputBatch(msgspec.Struct, **_WIRE):
+    """Every delta for one client from one step, in one message."""
+
+    deltas: list[OutputDelta]
+
+
+OutputReply = Hello | OutputBatch
+
+
+# -- scheduler -> output processor (announce ring) ---------------------------------------
+
+
+class NewRequest(msgspec.Struct, **_WIRE):
+    """Sent before the first plan that schedules the request."""
+
+    request_id: str
+    client_id: str
+    seq_ids: list[int]  # one per sample
+    num_prompt_tokens: int
+    sampling: SamplingParams | None
+    pooling: PoolingParams | None
+    arrival_time: float
+    scheduled_time: float
+    prompt_token_ids: Array | None = None  # only when prompt logprobs are asked for
+
+
+class AbortRequests(msgspec.Struct, **_WIRE):
+    """The scheduler dropped these requests (client abort or error)."""
+
+    request_ids: list[str]
+    reason: FinishReason = "abort"
+    message: str = ""
+
+
+Announcement = NewRequest | AbortRequests
+
+
+# -- scheduler -> executor (plan ring) ---------------------------------------------------
+
+
+class SeqStart(msgspec.Struct, **_WIRE):
+    """A sequence takes a slot: the executor resets the slot's state."""
+
+    slot: int
+    seq_id: int
+    num_prompt_tokens: int
+    sampling: SamplingParams | None
+    sample_index: int = 0  # which of the request's n samples (derives its seed)
+    pooling: PoolingParams | None = None
+    # The whole prompt, only when prompt logprobs are asked for (and only on the first
+    # start, not after a preemption: they were computed already).
+    prompt_token_ids: Array | None = None
+
+
+class StepPlan(msgspec.Struct, **_WIRE):
+    """What the executor computes in step ``step``.
+
+    Per scheduled sequence ``i`` (arrays of length ``num_seqs``): ``slots[i]`` computes
+    ``num_tokens[i]`` tokens at positions ``starts[i] .. starts[i] + num_tokens[i] - 1``.
+    ``token_ids`` holds all scheduled tokens flattened in sequence order; ``-1`` means "the
+    slot's last sampled token" (a decode step needs no token from the scheduler, which is
+    what lets it plan ahead). ``sample[i]`` says whether the chunk ends at the sequence's
+    last known token, i.e. whether to sample (partial prefill chunks don't).
+    Block tables change by deltas: ``block_tables[slot, index] = block_id``.
+    """
+
+    step: int
+    starts: Array
+    token_ids: Array
+    slots: Array
+    num_tokens: Array
+    sample: Array
+    seq_ids: Array
+    new_seqs: list[SeqStart] = []
+    block_slots: Array = EMPTY_IDS
+    block_indices: Array = EMPTY_IDS
+    block_ids: Array = EMPTY_IDS
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.slots)
+
+
+class ExecutorInfo(msgspec.Struct, **_WIRE):
+    """What the executor reports at start-up: the KV cache geometry and the model's limits."""
+
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    kv_cache_bytes: int
+    device: str
+    dtype: str
+    model_path: str
+    num_threads: int
+
+
+# -- executor -> output processor (result ring) ------------------------------------------
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Prompt logprobs for positions ``start .. start + n - 1`` of one sequence."""
+
+    seq_id: int
+    start: int
+    logprobs: Logprobs
+
+
+class StepResult(msgspec.Struct, **_WIRE):
+    """What step ``step`` produced: one sampled token per sequence that sampled."""
+
+    step: int
+    seq_ids: Array  # int64, the sequences that sampled, in plan order
+    token_ids: Array  # int32, aligned with seq_ids
+    logprobs: Logprobs | None = None  # rows for the seq_ids in logprob_rows
+    logprob_rows: Array = EMPTY_IDS  # int32: logprobs row j is for seq_ids[logprob_rows[j]]
+    prompt_logprobs: list[PromptLogprobs] = []
+    embeddings: Array | None = None  # [len(seq_ids), hidden] for pooling requests
+    error: str | None = None  # the whole step failed: every scheduled sequence errors
+    failed_seq_ids: Array = EMPTY_IDS
+    execute_time: float = 0.0
+
+
+# -- output processor -> scheduler (feedback ring) ---------------------------------------
+
+
+class Feedback(msgspec.Struct, **_WIRE):
+    """The outcome of step ``step`` after output processing.
+
+    ``seq_ids[i]`` accepted ``token_ids[i]``; ``finished_seq_ids`` ended in this step with
+    ``finish_reasons`` (their blocks can be freed once no planned step still touches them).
+    """
+
+    step: int
+    seq_ids: Array
+    token_ids: Array
+    finished_seq_ids: list[int] = []
+    finish_reasons: list[FinishReason] = []
+
+
+# -- launcher <-> stages (start-up pipes) ------------------------------------------------
+
+
+class Wiring(msgspec.Struct, **_WIRE):
+    """Where a stage finds its peers: socket addresses, ring and counter names."""
+
+    request_address: str
+    output_address: str
+    plan_ring: str = ""
+    result_ring: str = ""
+    feedback_ring: str = ""
+    announce_ring: str = ""
+    lockstep: str = ""
+
+
+class ModelInfo(msgspec.Struct, **_WIRE):
+    """What the executor learned loading the model; the launcher relays it to the others."""
+
+    model_path: str
+    tokenizer_path: str
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    eos_token_ids: list[int]
+    kv_cache_bytes: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_threads: int = 1
+
+
+class StageReady(msgspec.Struct, **_WIRE):
+    stage: str
+    pid: int
+    model: ModelInfo | None = None
+
+
+class StageFailed(msgspec.Struct, **_WIRE):
+    stage: str
+    message: str
+
+
+Control = ModelInfo | StageReady | StageFailed
+
+
+# -- decoders: one per channel -----------------------------------------------------------
+
+
+def describe_error(exc: Exception, cls: type[msgspec.Struct]) -> str:
+    """Name the field in a validation error of an array-like struct: ``$[3].temperature``
+    becomes ``sampling.temperature`` for an ``AddRequest``."""
+    msg = str(exc)
+    match = re.search(r"`\$\[(\d+)\]", msg)
+    if match is None:
+        return msg
+    index = int(match.group(1)) - 1  # element 0 is the tag
+    fields = cls.__struct_fields__
+    if not 0 <= index < len(fields):
+        return msg
+    return msg[: match.start()] + "`" + fields[index] + msg[match.end() :].replace("`$", "`", 1)
+
+
+encoder = msgspec.msgpack.Encoder()
+
+
+def client_request_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ClientRequest)
+
+
+def scheduler_reply_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(SchedulerReply)
+
+
+def output_reply_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(OutputReply)
+
+
+def announcement_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(Announcement)
+
+
+def plan_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(StepPlan)
+
+
+def result_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(StepResult)
+
+
+def feedback_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(Feedback)
+
+
+def control_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(Control)
+
+
+DECODERS = {
+    "control": control_decoder,
+    "client_request": client_request_decoder,
+    "scheduler_reply": scheduler_reply_decoder,
+    "output_reply": output_reply_decoder,
+    "announcement": announcement_decoder,
+    "plan": plan_decoder,
+    "result": result_decoder,
+    "feedback": feedback_decoder,
+}

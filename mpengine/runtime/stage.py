@@ -1,0 +1,121 @@
+"""The entry point of every stage process: title, signals, logging, start-up handshake.
+
+The launcher spawns each stage with the resolved config and its wiring as msgpack bytes and
+one end of a pipe. The stage answers ``StageReady`` (or ``StageFailed`` with the reason)
+when it can serve. Stages that need the model's facts (block count, tokenizer) wait for a
+``ModelInfo`` the launcher relays from the executor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+
+import msgspec
+import setproctitle
+
+from mpengine.config import EngineConfig
+from mpengine.protocol import ModelInfo, StageFailed, StageReady, Wiring, control_decoder, encoder
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; loops check it between waits (every wait is bounded)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+    def set(self, *_: object) -> None:
+        self.event.set()
+
+
+class Control:
+    """The stage's side of the start-up pipe."""
+
+    def __init__(self, stage: str, conn: Connection) -> None:
+        self.stage = stage
+        self.conn = conn
+        self.decoder = control_decoder()
+
+    def ready(self, model: ModelInfo | None = None) -> None:
+        self.conn.send_bytes(encoder.encode(StageReady(self.stage, os.getpid(), model)))
+
+    def failed(self, message: str) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send_bytes(encoder.encode(StageFailed(self.stage, message)))
+
+    def wait_model(self, timeout: float) -> ModelInfo:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.stage}: no model info from the launcher in {timeout} s")
+        msg = self.decoder.decode(self.conn.recv_bytes())
+        if not isinstance(msg, ModelInfo):
+            raise RuntimeError(f"{self.stage}: expected ModelInfo, got {type(msg).__name__}")
+        return msg
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this stage if the launcher dies first."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # it died before the request took effect
+        os._exit(1)
+
+
+def configure_logging(level: str, stage: str) -> None:
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)s mpengine.{stage}[%(process)d] %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def run_stage(stage: str, conn: Connection, parent_pid: int) -> None:
+    """The body of every stage process; the launcher sends the config and wiring first."""
+    _die_with_parent(parent_pid)
+    setproctitle.setproctitle(f"mpengine: {stage}")
+    setproctitle.setthreadtitle(f"mpe:{stage}")  # /proc/PID/comm holds 15 characters
+    config_bytes, wiring_bytes = conn.recv_bytes(), conn.recv_bytes()
+    config = EngineConfig.decode(config_bytes)
+    wiring = msgspec.msgpack.decode(wiring_bytes, type=Wiring)
+    configure_logging(config.log_level, stage)
+    stop = StopFlag()
+    signal.signal(signal.SIGTERM, stop.set)
+    signal.signal(signal.SIGINT, stop.set)
+    control = Control(stage, conn)
+    try:
+        match stage:
+            case "scheduler":
+                from mpengine.runtime.processes import run_scheduler as run
+            case "executor":
+                from mpengine.runtime.processes import run_executor as run
+            case "output":
+                from mpengine.runtime.processes import run_output as run
+            case "engine":
+                from mpengine.runtime.serial import run_serial as run
+            case _:
+                raise ValueError(f"unknown stage {stage!r}")
+        run(config, wiring, control, stop)
+    except BaseException as exc:
+        logger.error("%s stopped by an error:\n%s", stage, traceback.format_exc())
+        control.failed(f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
+    logger.info("%s stopped", stage)
+
+
+if __name__ == "__main__":
+    run_stage(sys.argv[1], Connection(int(sys.argv[2])), int(sys.argv[3]))

@@ -1,0 +1,7 @@
+"""The scheduler stage: requests, queues, KV blocks, batching policy (pure Python)."""
+
+from mpengine.scheduler.block_manager import BlockManager
+from mpengine.scheduler.request import Request, Sequence, Status
+from mpengine.scheduler.scheduler import RequestRejected, Scheduler
+
+__all__ = ["BlockManager", "Request", "RequestRejected", "Scheduler", "Sequence", "Status"]

@@ -1,0 +1,85 @@
+"""The scheduler's view of requests and their sequences (one sequence per sample)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from mpengine.protocol import PoolingParams, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # never scheduled
+    RUNNING = "running"  # holds a slot and blocks
+    PREEMPTED = "preempted"  # blocks dropped; will recompute its tokens
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sample of a request, caught up step by step.
+
+    ``token_ids`` are the known tokens (prompt, then the outputs feedback has confirmed).
+    ``num_inflight`` samples are planned but not fed back yet: the executor holds the newest
+    one in the slot. A sequence's length is ``len(token_ids) + num_inflight``; each step
+    computes tokens ``num_computed ..`` towards it, and samples when it reaches the end.
+    """
+
+    seq_id: int
+    request: Request
+    sample_index: int
+    token_ids: list[int]
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    num_inflight: int = 0
+    slot: int = -1
+    block_ids: list[int] = field(default_factory=list)
+    last_step: int = 0  # the last step that touched its slot and blocks
+    fork_parent: Sequence | None = None  # share the parent's prompt blocks when it has them
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.num_computed <= len(self) and self.num_inflight >= 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids) + self.num_inflight
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def num_outputs(self) -> int:
+        """Outputs sampled so far, confirmed or in flight."""
+        return len(self) - self.request.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def wants_tokens(self) -> bool:
+        """Whether a step could compute something for it now."""
+        if self.num_computed < len(self) - 1:
+            return True  # prompt or recompute left
+        return self.num_computed == len(self) - 1 and self.num_outputs < self.request.max_tokens
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    client_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams | None
+    pooling: PoolingParams | None
+    arrival_time: float
+    max_tokens: int  # capped so prompt + outputs fit max_model_len
+    seqs: list[Sequence] = field(default_factory=list)
+    announced: bool = False
+    admitted_order: int = -1
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finished for seq in self.seqs)

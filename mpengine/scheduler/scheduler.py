@@ -1,0 +1,448 @@
+"""The scheduler stage: which tokens of which sequences the next step computes.
+
+One token-budget model, no prefill or decode phases: each running sequence catches
+``num_computed`` up to its length, in chunks of at most the step's remaining budget
+(chunked prefill); a decode is simply a chunk of one. Per step:
+
+1. apply feedback: confirmed tokens, finished sequences (their blocks are released once no
+   planned step still touches them), pending releases whose last step is now done;
+2. running sequences, oldest admission first; when one's next chunk needs blocks the cache
+   lacks, preempt the most recently admitted running sequence by recompute (drop its blocks,
+   requeue it; it resumes by recomputing prompt + outputs, its stream goes on seamlessly);
+3. if nothing was preempted: resume preempted sequences, then admit waiting requests (FCFS)
+   within ``max_num_seqs``, the token budget and the free blocks;
+4. emit the plan: per sequence slot, start, chunk tokens (``-1`` for the in-flight sample the
+   executor holds), whether to sample; new slot states; block-table deltas.
+
+Under async depth 1 the plan for step ``s`` is built before step ``s - 1``'s feedback: a
+decoding sequence is assumed to gain its in-flight token (``num_inflight``), and one that
+in fact finished there wastes one slot of one step; the output processor drops that token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import msgspec
+import numpy as np
+
+from mpengine.config import EngineConfig
+from mpengine.protocol import (
+    AbortRequests,
+    AddRequest,
+    Announcement,
+    Array,
+    Feedback,
+    NewRequest,
+    SeqStart,
+    StepPlan,
+)
+from mpengine.scheduler.block_manager import BlockManager
+from mpengine.scheduler.request import Request, Sequence, Status
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """A request the engine cannot serve; the message goes back to its client."""
+
+    def __init__(self, message: str, kind: str = "invalid") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Scheduler:
+    def __init__(
+        self, config: EngineConfig, num_blocks: int, vocab_size: int, max_model_len: int
+    ) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.free_slots = deque(range(config.num_slots))
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Sequence] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.preempted: deque[Sequence] = deque()
+        self.pending_release: list[Sequence] = []  # finished, a planned step still touches them
+        self.announcements: list[Announcement] = []
+        self.next_step = 1
+        self.done = 0  # highest step whose feedback was applied
+        self._next_seq_id = 0
+        self._admitted = 0
+        self.counters = {"admitted": 0, "finished": 0, "preemptions": 0, "aborted": 0}
+        self.counters["forked_blocks"] = 0
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, req: AddRequest, client_id: str) -> None:
+        """Queue a request, or raise RequestRejected with a message for its client."""
+        if req.request_id in self.requests:
+            raise RequestRejected(f"request id {req.request_id!r} is already in use")
+        if req.pooling is not None:
+            raise RequestRejected("this engine serves a generative model; pooling not supported")
+        prompt = req.prompt_token_ids.numpy()
+        if len(prompt) == 0:
+            raise RequestRejected("the prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len} "
+                "and at least one must be left to generate"
+            )
+        low, high = int(prompt.min()), int(prompt.max())
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise RequestRejected(
+                f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+        sampling = req.sampling
+        assert sampling is not None
+        if sampling.n > self.max_num_seqs:
+            raise RequestRejected(f"n={sampling.n} exceeds max_num_seqs={self.max_num_seqs}")
+        max_tokens = min(sampling.max_tokens, self.max_model_len - len(prompt))
+        if self.blocks.blocks_for(len(prompt) + max_tokens) > self.blocks.num_blocks:
+            raise RequestRejected(
+                f"the KV cache ({self.blocks.num_blocks} blocks) cannot hold this request",
+                "too_large",
+            )
+        request = Request(
+            request_id=req.request_id,
+            client_id=client_id,
+            prompt_token_ids=prompt.tolist(),
+            sampling=sampling,
+            pooling=None,
+            arrival_time=req.arrival_time or time.time(),
+            max_tokens=max_tokens,
+        )
+        for index in range(sampling.n):
+            seq = Sequence(self._next_seq_id, request, index, list(request.prompt_token_ids))
+            self._next_seq_id += 1
+            request.seqs.append(seq)
+            self.seqs[seq.seq_id] = seq
+        for child in request.seqs[1:]:
+            child.fork_parent = request.seqs[0]
+        self.requests[req.request_id] = request
+        self.waiting.append(request)
+        logger.debug("queued %s: %d prompt tokens, n=%d", req.request_id, len(prompt), sampling.n)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop requests at this safe point (between plans); unknown ids are ignored."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if not request.announced:  # the output processor must know it to tell the client
+                self._announce(request)
+            for seq in request.seqs:
+                if not seq.finished:
+                    self._finish(seq)
+            aborted.append(request_id)
+            self.counters["aborted"] += 1
+        if aborted:
+            logger.debug("aborted %s", aborted)
+            self.announcements.append(AbortRequests(aborted))
+
+    def take_announcements(self) -> list[Announcement]:
+        """What the output processor must learn before the plan just built."""
+        announcements, self.announcements = self.announcements, []
+        return announcements
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- feedback -------------------------------------------------------------------------
+
+    def apply_feedback(self, feedback: Feedback) -> None:
+        for seq_id, token_id in zip(
+            feedback.seq_ids.numpy().tolist(), feedback.token_ids.numpy().tolist(), strict=True
+        ):
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.finished:
+                continue
+            seq.token_ids.append(token_id)
+            seq.num_inflight -= 1
+            assert seq.num_inflight >= 0, f"seq {seq_id}: more tokens than planned"
+        for seq_id in feedback.finished_seq_ids:
+            seq = self.seqs.get(seq_id)
+            if seq is not None and not seq.finished:
+                self._finish(seq)
+        self.done = max(self.done, feedback.step)
+        self._release_done()
+
+    # -- the step -------------------------------------------------------------------------
+
+    def schedule(self, feedback: Iterable[Feedback] = ()) -> StepPlan | None:
+        """Build the next step's plan, or None when nothing can run now."""
+        for fb in feedback:
+            self.apply_feedback(fb)
+        step = self.next_step
+        budget = self.max_num_batched_tokens
+        chunks: list[tuple[Sequence, int]] = []
+        starts: list[SeqStart] = []
+        block_deltas: list[tuple[int, int, int]] = []
+        preempted_now = False
+
+        # 1. running sequences, oldest first
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            if seq.fork_parent is not None and not self._try_fork(seq, step):
+                index += 1
+                continue
+            if not seq.wants_tokens():
+                index += 1
+                continue
+            num_tokens = min(len(seq) - seq.num_computed, budget)
+            need = self.blocks.blocks_for(seq.num_computed + num_tokens) - len(seq.block_ids)
+            while not self.blocks.can_allocate(need):
+                victim = self._victim(index)
+                self._preempt(victim)
+                preempted_now = True
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break  # it was the victim itself: nothing later in the list remains
+            self._grow(seq, need, block_deltas)
+            chunks.append((seq, num_tokens))
+            budget -= num_tokens
+            index += 1
+
+        # 2. resume preempted, then admit waiting, if nothing had to give way this step
+        if not preempted_now:
+            budget = self._admit(step, budget, chunks, starts, block_deltas)
+
+        # Sequences that got a slot but no chunk yet (or a SeqStart) still need starting.
+        for seq, _ in chunks:
+            if seq.slot < 0:
+                self._start(seq, starts, block_deltas)
+        if not chunks:
+            return None
+        self.next_step += 1
+        return self._plan(step, chunks, starts, block_deltas)
+
+    def _victim(self, index: int) -> Sequence:
+        """The most recently admitted running sequence after ``index`` that holds blocks
+        (preempting one without blocks frees nothing), else the one at ``index`` itself."""
+        for victim in reversed(self.running[index + 1 :]):
+            if victim.block_ids:
+                return victim
+        return self.running[index]
+
+    def _admit(self, step: int, budget: int, chunks, starts, block_deltas) -> int:
+        # Resume preempted sequences first (their in-flight tokens must be confirmed: the
+        # recompute needs every token id).
+        while self.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.preempted[0]
+            if seq.num_inflight:
+                break
+            num_tokens = min(len(seq), budget)
+            need = self.blocks.blocks_for(num_tokens)
+            if not self.blocks.can_allocate(need):
+                break
+            self.preempted.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self._grow(seq, need, block_deltas)
+            chunks.append((seq, num_tokens))
+            budget -= num_tokens
+            logger.debug("step %d: resumed seq %d (%d tokens)", step, seq.seq_id, len(seq))
+        if self.preempted:
+            return budget
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            if len(self.running) + len(request.seqs) > self.max_num_seqs:
+                break
+            parent = request.seqs[0]
+            num_tokens = min(len(parent), budget)
+            need = self.blocks.blocks_for(num_tokens)
+            # Keep room for the siblings' own tail blocks so admitting does not preempt.
+            reserve = (len(request.seqs) - 1) * 2
+            if not self.blocks.can_allocate(need + reserve):
+                break
+            self.waiting.popleft()
+            request.admitted_order = self._admitted
+            self._admitted += 1
+            self.counters["admitted"] += 1
+            self._announce(request)
+            for seq in request.seqs:
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+            self._grow(parent, need, block_deltas)
+            chunks.append((parent, num_tokens))
+            budget -= num_tokens
+            logger.debug("step %d: admitted %s", step, request.request_id)
+        return budget
+
+    def _try_fork(self, seq: Sequence, step: int) -> bool:
+        """A sibling of an n > 1 request starts once its parent's prompt is computed: it
+        shares the parent's full prompt blocks and computes only the tail itself."""
+        parent = seq.fork_parent
+        assert parent is not None
+        prompt_len = seq.num_prompt_tokens
+        if parent.status is Status.RUNNING and parent.num_computed < prompt_len:
+            return False  # wait for the parent's prefill
+        seq.fork_parent = None
+        if parent.status is Status.RUNNING:
+            num_shared = (prompt_len - 1) // self.blocks.block_size
+            seq.block_ids = self.blocks.share(parent.block_ids[:num_shared])
+            seq.num_computed = num_shared * self.blocks.block_size
+            self.counters["forked_blocks"] += num_shared
+        return True
+
+    def _grow(self, seq: Sequence, need: int, block_deltas: list) -> None:
+        first = len(seq.block_ids)
+        seq.block_ids += self.blocks.allocate(need)
+        if seq.slot < 0:
+            return  # a new slot gets its whole table in _start
+        block_deltas += [(seq.slot, i, seq.block_ids[i]) for i in range(first, len(seq.block_ids))]
+
+    def _start(self, seq: Sequence, starts: list[SeqStart], block_deltas: list) -> None:
+        assert seq.num_computed <= len(seq)
+        seq.slot = self.free_slots.popleft()
+        request = seq.request
+        prompt_ids = None
+        # Prompt logprobs come from sample 0's prefill (again after a preemption before its
+        # first output; the output processor keeps the first value of each position).
+        first_prefill = seq.sample_index == 0 and seq.num_outputs == 0 and seq.num_computed == 0
+        if request.sampling.prompt_logprobs is not None and first_prefill:
+            prompt_ids = Array.of(request.prompt_token_ids)
+        starts.append(
+            SeqStart(
+                seq.slot,
+                seq.seq_id,
+                request.num_prompt_tokens,
+                request.sampling,
+                seq.sample_index,
+                prompt_token_ids=prompt_ids,
+            )
+        )
+        block_deltas += [(seq.slot, i, b) for i, b in enumerate(seq.block_ids)]
+
+    def _plan(self, step, chunks, starts, block_deltas) -> StepPlan:
+        num = len(chunks)
+        seq_ids = np.empty(num, np.int64)
+        slots = np.empty(num, np.int32)
+        seq_starts = np.empty(num, np.int32)
+        num_tokens = np.empty(num, np.int32)
+        sample = np.zeros(num, np.bool_)
+        token_ids: list[int] = []
+        for i, (seq, n) in enumerate(chunks):
+            start, end = seq.num_computed, seq.num_computed + n
+            seq_ids[i], slots[i], seq_starts[i], num_tokens[i] = seq.seq_id, seq.slot, start, n
+            known = seq.token_ids[start:end]
+            token_ids += known
+            if len(known) < n:  # the in-flight sample, held by the executor
+                assert len(known) == n - 1 and seq.num_inflight > 0
+                token_ids.append(-1)
+            seq.num_computed = end
+            seq.last_step = step
+            if end == len(seq) and seq.num_outputs < seq.request.max_tokens:
+                sample[i] = True
+                seq.num_inflight += 1
+        if block_deltas:
+            delta = np.asarray(block_deltas, np.int32)
+            block_slots, block_indices, block_ids = (Array.of(delta[:, k]) for k in range(3))
+        else:
+            block_slots = block_indices = block_ids = Array.of([])
+        logger.debug("step %d: %d seqs, %d tokens", step, num, len(token_ids))
+        return StepPlan(
+            step=step,
+            starts=Array.of(seq_starts),
+            token_ids=Array.of(token_ids),
+            slots=Array.of(slots),
+            num_tokens=Array.of(num_tokens),
+            sample=Array.of(sample, "bool"),
+            seq_ids=Array.of(seq_ids, "int64"),
+            new_seqs=starts,
+            block_slots=block_slots,
+            block_indices=block_indices,
+            block_ids=block_ids,
+        )
+
+    # -- state changes --------------------------------------------------------------------
+
+    def _announce(self, request: Request) -> None:
+        request.announced = True
+        sampling = request.sampling
+        prompt_ids = None
+        if sampling.prompt_logprobs is not None:
+            prompt_ids = Array.of(request.prompt_token_ids)
+        if sampling.max_tokens != request.max_tokens:
+            sampling = msgspec.structs.replace(sampling, max_tokens=request.max_tokens)
+        self.announcements.append(
+            NewRequest(
+                request_id=request.request_id,
+                client_id=request.client_id,
+                seq_ids=[seq.seq_id for seq in request.seqs],
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling=sampling,
+                pooling=request.pooling,
+                arrival_time=request.arrival_time,
+                scheduled_time=time.time(),
+                prompt_token_ids=prompt_ids,
+            )
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop blocks and slot now (the executor runs steps in order,
+        so a later plan reusing them cannot overtake the step in flight)."""
+        self.running.remove(seq)
+        self.blocks.free(seq.block_ids)
+        seq.block_ids = []
+        self.free_slots.append(seq.slot)
+        seq.slot = -1
+        seq.num_computed = 0
+        seq.fork_parent = None
+        seq.status = Status.PREEMPTED
+        self.preempted.appendleft(seq)
+        self.counters["preemptions"] += 1
+        logger.debug("preempted seq %d of %s", seq.seq_id, seq.request.request_id)
+
+    def _finish(self, seq: Sequence) -> None:
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.PREEMPTED:
+            self.preempted.remove(seq)
+        seq.status = Status.FINISHED
+        self.pending_release.append(seq)
+        request = seq.request
+        if request.finished:
+            if request in self.waiting:
+                self.waiting.remove(request)
+            del self.requests[request.request_id]
+            self.counters["finished"] += 1
+        self._release_done()
+
+    def _release_done(self) -> None:
+        """Free finished sequences' blocks and slots once their last step is output-processed."""
+        keep = []
+        for seq in self.pending_release:
+            if seq.last_step > self.done:
+                keep.append(seq)
+                continue
+            self.blocks.free(seq.block_ids)
+            seq.block_ids = []
+            if seq.slot >= 0:
+                self.free_slots.append(seq.slot)
+                seq.slot = -1
+            del self.seqs[seq.seq_id]
+        self.pending_release = keep
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **self.counters,
+            "num_waiting": sum(len(r.seqs) for r in self.waiting),
+            "num_running": len(self.running),
+            "num_preempted": len(self.preempted),
+            "num_free_blocks": self.blocks.num_free,
+            "num_blocks": self.blocks.num_blocks,
+            "step": self.next_step - 1,
+            "done": self.done,
+        }

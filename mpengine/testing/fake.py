@@ -1,0 +1,111 @@
+"""A model-free executor and output processor that check the scheduler's plans.
+
+``FakeExecutor`` keeps a KV cache of token ids: every computed position is written into the
+block the plan's tables name, and every sample reads its whole context back from the cache,
+so a wrong block table, a reused block or a bad recompute changes the tokens. Tokens are a
+deterministic function of the context, so a request's output can be checked against
+``reference_generate``. Used by unit tests of the scheduler and the runtimes' loops.
+"""
+
+from __future__ import annotations
+
+from mpengine.protocol import Array, Feedback, StepPlan, StepResult
+
+
+def next_token(context: list[int], vocab_size: int) -> int:
+    return (sum(context[-3:]) * 7 + len(context) * 13) % vocab_size
+
+
+def reference_generate(prompt: list[int], max_tokens: int, eos: int, vocab_size: int) -> list[int]:
+    tokens = list(prompt)
+    out: list[int] = []
+    while len(out) < max_tokens:
+        tok = next_token(tokens, vocab_size)
+        tokens.append(tok)
+        out.append(tok)
+        if tok == eos:
+            break
+    return out
+
+
+class FakeExecutor:
+    def __init__(self, block_size: int, vocab_size: int) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.tables: dict[int, dict[int, int]] = {}
+        self.last: dict[int, int] = {}
+        self.cache: dict[tuple[int, int], int] = {}
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        bs = self.block_size
+        for start in plan.new_seqs:
+            self.tables[start.slot] = {}
+            self.last.pop(start.slot, None)
+        for slot, index, block in zip(
+            plan.block_slots.numpy().tolist(),
+            plan.block_indices.numpy().tolist(),
+            plan.block_ids.numpy().tolist(),
+            strict=True,
+        ):
+            self.tables[slot][index] = block
+        tokens = plan.token_ids.numpy().tolist()
+        offset = 0
+        seq_ids, sampled = [], []
+        for seq_id, slot, start, n, sample in zip(
+            plan.seq_ids.numpy().tolist(),
+            plan.slots.numpy().tolist(),
+            plan.starts.numpy().tolist(),
+            plan.num_tokens.numpy().tolist(),
+            plan.sample.numpy().tolist(),
+            strict=True,
+        ):
+            table = self.tables[slot]
+            for pos in range(start, start + n):
+                tok = tokens[offset]
+                offset += 1
+                if tok == -1:
+                    tok = self.last[slot]
+                self.cache[(table[pos // bs], pos % bs)] = tok
+            if sample:
+                context = [self.cache[(table[p // bs], p % bs)] for p in range(start + n)]
+                tok = next_token(context, self.vocab_size)
+                self.last[slot] = tok
+                seq_ids.append(seq_id)
+                sampled.append(tok)
+        assert offset == len(tokens)
+        return StepResult(plan.step, Array.of(seq_ids, "int64"), Array.of(sampled))
+
+
+class FakeOutput:
+    """Finishes sequences on ``eos`` or after their ``max_tokens`` outputs."""
+
+    def __init__(self, eos: int) -> None:
+        self.eos = eos
+        self.max_tokens: dict[int, int] = {}
+        self.outputs: dict[int, list[int]] = {}
+        self.finished: dict[int, str] = {}
+
+    def add(self, seq_id: int, max_tokens: int) -> None:
+        self.max_tokens[seq_id] = max_tokens
+        self.outputs[seq_id] = []
+
+    def abort(self, seq_id: int) -> None:
+        self.finished.setdefault(seq_id, "abort")
+
+    def process(self, result: StepResult) -> Feedback:
+        seq_ids, tokens, done, reasons = [], [], [], []
+        for seq_id, tok in zip(
+            result.seq_ids.numpy().tolist(), result.token_ids.numpy().tolist(), strict=True
+        ):
+            if seq_id in self.finished:
+                continue  # a token planned before the finish was known: never visible
+            out = self.outputs[seq_id]
+            out.append(tok)
+            seq_ids.append(seq_id)
+            tokens.append(tok)
+            if tok == self.eos or len(out) >= self.max_tokens[seq_id]:
+                reason = "stop" if tok == self.eos else "length"
+                self.finished[seq_id] = reason
+                done.append(seq_id)
+                reasons.append(reason)
+        return Feedback(result.step, Array.of(seq_ids, "int64"), Array.of(tokens), done, reasons)

@@ -1,0 +1,55 @@
+"""Engine fixtures: every engine a test starts is stopped, and must leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import mpengine
+
+
+def leftovers(engine_id: str) -> list[str]:
+    marker = f"mpe.{engine_id}."
+    return sorted(e for e in os.listdir("/dev/shm") if e.removeprefix("sem.").startswith(marker))
+
+
+@pytest.fixture(scope="module")
+def start_engine() -> Iterator[Callable[..., mpengine.Engine]]:
+    """``start_engine(model=..., **config)``: launch; shut down and check for leaks after."""
+    engines: list[mpengine.Engine] = []
+
+    def start(**kwargs) -> mpengine.Engine:
+        kwargs.setdefault("engine_id", "e" + uuid.uuid4().hex[:8])
+        kwargs.setdefault("startup_timeout", 120.0)
+        engine = mpengine.launch(**kwargs)
+        engines.append(engine)
+        return engine
+
+    yield start
+    problems = []
+    for engine in engines:
+        engine.shutdown()
+        if left := leftovers(engine.config.engine_id):
+            problems.append(f"{engine.config.engine_id}: shm left behind: {left}")
+        if os.path.exists(engine.runtime_dir):
+            problems.append(f"runtime dir left behind: {engine.runtime_dir}")
+    assert not problems, problems
+
+
+def wait_idle(client: mpengine.Client, timeout: float = 10.0):
+    """Poll the scheduler's stats until it has no request and no step in flight; return them.
+    (Blocks of a finished request are freed once its last planned step is processed.)"""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats()
+        busy = stats.num_running + stats.num_waiting + stats.num_preempted
+        if busy == 0 and stats.done == stats.step:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine not idle after {timeout} s: {stats}")
+        time.sleep(0.01)

@@ -1,0 +1,227 @@
+"""The engine end to end (processes runtime, async depth 1, tiny Qwen3): sampling features,
+streaming, aborts, disconnects and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import subprocess
+import sys
+
+import msgspec
+import pytest
+import zmq
+
+import mpengine
+from mpengine.protocol import AddRequest, Array, SamplingParams, encoder
+from tests.e2e.conftest import wait_idle
+
+PROMPT = "The old lighthouse keeper looked at the sea and said"
+
+
+@pytest.fixture(scope="module")
+def engine(start_engine):
+    return start_engine(model="tiny", num_gpu_blocks_override=256, max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with engine.client() as client:
+        yield client
+
+
+def test_generate_text_prompt(client):
+    out = client.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert out.finished and out.finish_reason == "length"
+    assert len(out.token_ids) == 12 and out.text
+    assert out.prompt_token_ids == client.tokenize(PROMPT)
+    m = out.metrics
+    assert m.arrival_time <= m.scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_seeded_sampling_reproducible_across_batches(client):
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    alone = client.generate(PROMPT, params).token_ids
+    others = [SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)] * 6
+    batch = client.generate_many(
+        [f"Prompt number {i} " * (i + 1) for i in range(6)] + [PROMPT], [*others, params]
+    )
+    assert batch[-1].token_ids == alone
+    unseeded = client.generate_many([PROMPT] * 2, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert unseeded[0].token_ids != unseeded[1].token_ids
+
+
+def test_n_samples_differ_and_share_prompt_blocks(client):
+    before = client.stats().forked_blocks
+    prompt = "A long shared prompt " * 10
+    out = client.generate(
+        prompt, SamplingParams(n=4, max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+    )
+    assert len(out.outputs) == 4 and out.finished
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert client.stats().forked_blocks - before == 3 * ((len(client.tokenize(prompt)) - 1) // 16)
+
+
+def test_stop_string_across_token_boundary(client):
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    free = client.generate(PROMPT, params)
+    tokenizer = client._tokenizer
+    pieces = [tokenizer.decode([t]) for t in free.token_ids]
+    # A stop string made of the end of token 3 and the start of token 4.
+    k = next(i for i in range(2, len(pieces) - 1) if len(pieces[i]) >= 2 and pieces[i + 1])
+    stop = pieces[k][-2:] + pieces[k + 1][:1]
+    cut = free.text.index(stop)
+    out = client.generate(PROMPT, msgspec.structs.replace(params, stop=[stop]))
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert out.text == free.text[:cut]
+    kept = client.generate(
+        PROMPT, msgspec.structs.replace(params, stop=[stop], include_stop_str_in_output=True)
+    )
+    assert kept.text == free.text[: cut + len(stop)]
+
+
+def test_stream_deltas_add_up_and_multibyte_text_is_whole(client):
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=11, ignore_eos=True)
+    prompt = "Café crème, 東京の夜 🌙 and naïve façades:"
+    deltas = list(client.stream(prompt, params))
+    final = client.generate(prompt, params)
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert "".join(d.text for d in deltas) == final.text
+    assert [t for d in deltas for t in d.token_ids] == final.token_ids
+    decoded = client._tokenizer.decode(final.token_ids, skip_special_tokens=True)
+    assert final.text == decoded
+    # A delta never ends in half a character that a later token completes.
+    for d in deltas[:-1]:
+        assert not d.text.endswith("\ufffd") or final.text.endswith("\ufffd")
+
+
+def test_logprobs_returned(client):
+    out = client.generate(
+        PROMPT,
+        SamplingParams(
+            max_tokens=5, temperature=0.0, logprobs=3, prompt_logprobs=2, ignore_eos=True
+        ),
+    )
+    assert len(out.logprobs) == 5
+    for token, row in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in row and max(row.values()) == row[token]  # greedy takes the top one
+        assert all(v <= 0 for v in row.values())
+    assert out.prompt_logprobs is not None
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+
+
+def test_abort_mid_stream_frees_every_block(client):
+    params = SamplingParams(max_tokens=2000, temperature=1.0, ignore_eos=True)
+    stream = client.stream(PROMPT, params, request_id="to-abort")
+    for _ in range(3):
+        next(stream)
+    client.abort("to-abort")
+    rest = list(stream)
+    assert rest and rest[-1].finished and rest[-1].finish_reason == "abort"
+    stats = wait_idle(client)
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_client_disconnect_frees_every_block(engine, client):
+    """A client process killed mid-stream: the output processor finds it gone and the
+    scheduler frees its blocks."""
+    script = (
+        "import sys, mpengine\n"
+        f"c = mpengine.Client({engine.address!r})\n"
+        "s = c.stream('x' * 50, mpengine.SamplingParams(max_tokens=5000, ignore_eos=True))\n"
+        "next(s); print('streaming', flush=True)\n"
+        "for _ in s: pass\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready and proc.stdout.readline().strip() == b"streaming"
+        assert client.stats().num_running == 1
+    finally:
+        proc.kill()
+        proc.wait(10)
+    stats = wait_idle(client, timeout=20)
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_async_client(engine):
+    async def main():
+        client = engine.async_client()
+        try:
+            params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+            outs = await asyncio.gather(*(client.generate(PROMPT, params) for _ in range(3)))
+            deltas = [d async for d in client.stream(PROMPT, params)]
+            return outs, deltas
+        finally:
+            client.close()
+
+    outs, deltas = asyncio.run(main())
+    assert all(o.token_ids == outs[0].token_ids for o in outs)
+    assert [t for d in deltas for t in d.token_ids] == outs[0].token_ids
+
+
+def test_client_connects_by_address(engine):
+    with mpengine.Client(engine.address) as other:
+        assert other.info.engine_id == engine.config.engine_id
+        assert other.info.num_blocks == 256
+        out = other.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(out.token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], SamplingParams(), "empty"),
+        (list(range(5000)), SamplingParams(), "max_model_len"),
+        ([1, 2, 10**6], SamplingParams(), "outside the vocabulary"),
+        ([1, 2], SamplingParams(max_tokens=0), "sampling.max_tokens"),
+        ([1, 2], SamplingParams(temperature=-1.0), "sampling.temperature"),
+        ([1, 2], SamplingParams(top_p=1.5), "sampling.top_p"),
+    ],
+)
+def test_bad_requests_fail_alone(client, prompt, params, message):
+    """Sent raw (bypassing the client's own checks) so the engine's validation answers."""
+    good = client._conn
+    request = AddRequest(f"bad-{message}", Array.of(prompt), params)
+    handle_errors: list = []
+    good.sinks[request.request_id] = handle_errors.append
+    good.send(request)
+    ok = client.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(ok.token_ids) == 4, "the engine keeps serving"
+    client.stats()  # a round trip on the request socket: the error reply came before it
+    assert handle_errors and isinstance(handle_errors[0], mpengine.InvalidRequestError)
+    assert message in str(handle_errors[0])
+
+
+def test_client_side_validation_names_the_field(client):
+    with pytest.raises(msgspec.ValidationError, match="top_p"):
+        client.generate(PROMPT, SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=2)
+
+
+def test_abort_unknown_id_and_garbage_frames_are_harmless(engine, client):
+    client.abort("no-such-request")
+    ctx = zmq.Context()
+    try:
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(engine.address)
+        raw.send(b"\x00garbage\xff")
+        assert raw.poll(5000), "the engine answers a garbage frame with an error"
+        reply = msgspec.msgpack.decode(raw.recv())
+        assert reply[0] == "RequestError"
+        # Over the size limit: rejected by the engine, not by a dropped connection.
+        big = AddRequest("too-big", Array.of([1] * (5 * 1024 * 1024)), SamplingParams())
+        raw.send(encoder.encode(big))
+        assert raw.poll(10000)
+        reply = msgspec.msgpack.decode(raw.recv())
+        assert (
+            reply[0] == "RequestError" and reply[1] == "too-big" and "max_request_bytes" in reply[2]
+        )
+    finally:
+        ctx.destroy(linger=0)
+    with pytest.raises(mpengine.InvalidRequestError, match="max_request_bytes"):
+        client.generate([1] * (5 * 1024 * 1024), SamplingParams())
+    ok = client.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(ok.token_ids) == 4

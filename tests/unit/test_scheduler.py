@@ -1,0 +1,244 @@
+"""The scheduler and block manager with no model and no processes.
+
+A fake executor keeps a KV cache of token ids in the blocks the plans name, and samples from
+the context it reads back, so wrong block tables, early block reuse or a bad recompute all
+change the tokens compared against ``reference_generate``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mpengine.config import EngineConfig
+from mpengine.protocol import AddRequest, Array, SamplingParams
+from mpengine.scheduler import BlockManager, RequestRejected, Scheduler
+from mpengine.testing.fake import FakeExecutor, FakeOutput, reference_generate
+
+VOCAB = 97
+EOS = 5
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_len=512):
+    config = EngineConfig(
+        block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget
+    )
+    return Scheduler(config, num_blocks=num_blocks, vocab_size=VOCAB, max_model_len=max_len)
+
+
+def add(sched, request_id, prompt, max_tokens=8, n=1, seed=None):
+    params = SamplingParams(max_tokens=max_tokens, n=n, seed=seed)
+    sched.add_request(AddRequest(request_id, Array.of(prompt), params), "client")
+
+
+def run(sched, output, lag, on_step=None):
+    """Drive plans through the fake stages under the lockstep rule with ``lag``."""
+    executor = FakeExecutor(sched.blocks.block_size, VOCAB)
+    unprocessed: deque = deque()  # results executed but not yet output-processed
+    feedback = []
+    steps = 0
+    while True:
+        while len(unprocessed) > lag:
+            feedback.append(output.process(unprocessed.popleft()))
+        plan = sched.schedule(feedback)
+        feedback = []
+        for ann in sched.take_announcements():
+            if type(ann).__name__ == "NewRequest":
+                for seq_id in ann.seq_ids:
+                    output.add(seq_id, ann.sampling.max_tokens)
+        if plan is None:
+            if not unprocessed:
+                break
+            feedback.append(output.process(unprocessed.popleft()))
+            continue
+        steps += 1
+        assert steps < 10_000, "the scheduler does not make progress"
+        unprocessed.append(executor.execute(plan))
+        if on_step:
+            on_step(sched, plan)
+    sched.blocks.check()
+    return steps
+
+
+def outputs_of(sched_seqs_by_request, output):
+    return {rid: [output.outputs[s] for s in ids] for rid, ids in sched_seqs_by_request.items()}
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_outputs_match_reference_with_preemption(lag):
+    rng = random.Random(lag)
+    sched = make_scheduler(num_blocks=24, block_size=4, max_num_seqs=6, budget=16)
+    output = FakeOutput(EOS)
+    prompts = {}
+    for i in range(20):
+        prompt = [rng.randrange(6, VOCAB) for _ in range(rng.randint(1, 30))]
+        prompts[f"r{i}"] = (prompt, rng.randint(1, 20))
+        add(sched, f"r{i}", prompt, max_tokens=prompts[f"r{i}"][1])
+    seq_ids = {rid: [s.seq_id for s in sched.requests[rid].seqs] for rid in prompts}
+    run(sched, output, lag)
+    assert sched.counters["preemptions"] > 0, "the cache was meant to be too small"
+    for rid, (prompt, max_tokens) in prompts.items():
+        (seq_id,) = seq_ids[rid]
+        assert output.outputs[seq_id] == reference_generate(prompt, max_tokens, EOS, VOCAB), rid
+    assert sched.blocks.num_free == sched.blocks.num_blocks
+    assert not sched.requests and not sched.seqs and len(sched.free_slots) == 12
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_n_samples_share_prompt_blocks(lag):
+    sched = make_scheduler(num_blocks=64, block_size=4)
+    output = FakeOutput(EOS)
+    prompt = list(range(10, 40))
+    add(sched, "r", prompt, max_tokens=6, n=3)
+    seq_ids = [s.seq_id for s in sched.requests["r"].seqs]
+    shared = []
+
+    def on_step(sched, plan):
+        shared.append(max(sched.blocks.ref_count(b) for b in range(sched.blocks.num_blocks)))
+
+    run(sched, output, lag, on_step)
+    assert max(shared) == 3, "the three samples should share the prompt's full blocks"
+    assert sched.counters["forked_blocks"] == 2 * ((len(prompt) - 1) // 4)
+    expected = reference_generate(prompt, 6, EOS, VOCAB)  # the fake model is deterministic
+    assert all(output.outputs[s] == expected for s in seq_ids)
+    assert sched.blocks.num_free == sched.blocks.num_blocks
+
+
+def test_lag1_finished_request_wastes_one_slot_and_frees_after_its_last_step():
+    sched = make_scheduler()
+    output = FakeOutput(eos=-1)  # finish by max_tokens only... and by a stop we force:
+    add(sched, "r", [10, 11, 12], max_tokens=50)
+    (seq_id,) = [s.seq_id for s in sched.requests["r"].seqs]
+    executor = FakeExecutor(4, VOCAB)
+    plans = [sched.schedule()]
+    for ann in sched.take_announcements():
+        output.add(seq_id, ann.sampling.max_tokens)
+    results = [executor.execute(plans[0])]
+    plans.append(sched.schedule())  # step 2 planned ahead of step 1's feedback
+    results.append(executor.execute(plans[1]))
+    # The output processor decides the request stops at its first token (a stop string).
+    fb1 = output.process(results[0])
+    output.finished[seq_id] = "stop"
+    fb1 = type(fb1)(fb1.step, fb1.seq_ids, fb1.token_ids, [seq_id], ["stop"])
+    plan3 = sched.schedule([fb1])
+    assert plan3 is None, "no further step for a finished request"
+    # Step 2 still touches its blocks: they must not be free before step 2 is processed.
+    assert sched.blocks.num_free < sched.blocks.num_blocks
+    fb2 = output.process(results[1])
+    assert len(fb2.seq_ids) == 0, "the wasted token is never visible"
+    assert sched.schedule([fb2]) is None
+    assert sched.blocks.num_free == sched.blocks.num_blocks
+
+
+def test_abort_frees_blocks_at_next_safe_point():
+    sched = make_scheduler()
+    add(sched, "a", list(range(10, 30)), max_tokens=100)
+    add(sched, "b", list(range(10, 20)), max_tokens=100)
+    executor = FakeExecutor(4, VOCAB)
+    executor.execute(sched.schedule())
+    sched.abort(["a", "unknown"])
+    anns = sched.take_announcements()
+    assert [type(a).__name__ for a in anns][-1] == "AbortRequests"
+    assert anns[-1].request_ids == ["a"]
+    from mpengine.protocol import Feedback
+
+    fb = Feedback(1, Array.of([], "int64"), Array.of([]))
+    plan = sched.schedule([fb])
+    assert plan is not None and set(plan.seq_ids.numpy().tolist()) == {1}
+    assert "a" not in sched.requests
+
+
+def test_abort_of_waiting_request_is_announced_then_aborted():
+    sched = make_scheduler()
+    add(sched, "w", [10, 11])
+    sched.abort(["w"])
+    names = [type(a).__name__ for a in sched.take_announcements()]
+    assert names == ["NewRequest", "AbortRequests"]
+    assert sched.schedule() is None and not sched.has_unfinished
+
+
+def test_chunked_prefill_respects_budget_and_max_num_seqs():
+    sched = make_scheduler(budget=10, max_num_seqs=2)
+    for i in range(3):
+        add(sched, f"r{i}", list(range(10, 35)), max_tokens=2)
+    seen = set()
+
+    def on_step(sched, plan):
+        if plan.step == 1:
+            assert plan.num_seqs == 1 and not plan.sample.numpy().any()  # a partial chunk
+        assert plan.num_tokens.numpy().sum() <= 10
+        assert len(sched.running) <= 2
+        seen.update(plan.seq_ids.numpy().tolist())
+
+    run(sched, FakeOutput(EOS), 1, on_step)
+    assert seen == {0, 1, 2}
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ([], "empty"),
+        (list(range(10, 600)), "max_model_len"),
+        ([1, 2, VOCAB], "outside the vocabulary"),
+        ([-3], "outside the vocabulary"),
+    ],
+)
+def test_rejects_bad_requests(prompt, message):
+    sched = make_scheduler()
+    with pytest.raises(RequestRejected, match=message):
+        add(sched, "bad", prompt)
+    assert not sched.has_unfinished
+
+
+def test_rejects_request_bigger_than_cache_and_duplicate_ids():
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    with pytest.raises(RequestRejected, match="cannot hold"):
+        add(sched, "big", list(range(10, 20)), max_tokens=20)
+    add(sched, "ok", [10])
+    with pytest.raises(RequestRejected, match="already in use"):
+        add(sched, "ok", [10])
+
+
+def test_block_manager_refcounts():
+    bm = BlockManager(4, 16)
+    a = bm.allocate(2)
+    b = bm.share(a)
+    assert bm.num_free == 2 and all(bm.ref_count(x) == 2 for x in a)
+    bm.free(a)
+    assert bm.num_free == 2
+    bm.free(b)
+    assert bm.num_free == 4
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
+        bm.allocate(5)
+    with pytest.raises(AssertionError, match="double free"):
+        bm.free([0])
+    assert bm.blocks_for(0) == 0 and bm.blocks_for(16) == 1 and bm.blocks_for(17) == 2
+    bm.check()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12)), min_size=1, max_size=12),
+    num_blocks=st.integers(12, 40),
+    lag=st.sampled_from([0, 1]),
+    seed=st.integers(0, 1000),
+)
+def test_property_random_workloads_match_reference(lengths, num_blocks, lag, seed):
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=5, budget=12)
+    output = FakeOutput(EOS)
+    expected = {}
+    for i, (plen, max_tokens) in enumerate(lengths):
+        prompt = [rng.randrange(6, VOCAB) for _ in range(plen)]
+        add(sched, f"r{i}", prompt, max_tokens=max_tokens)
+        expected[sched.requests[f"r{i}"].seqs[0].seq_id] = reference_generate(
+            prompt, max_tokens, EOS, VOCAB
+        )
+    run(sched, output, lag)
+    for seq_id, tokens in expected.items():
+        assert output.outputs[seq_id] == tokens
+    assert sched.blocks.num_free == sched.blocks.num_blocks

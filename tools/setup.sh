@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Set up (or check) the project's virtual environment. Idempotent; fast when already done.
+#
+# torch comes first and explicitly: a bare torch requirement on a machine with no torch
+# pulls a multi-GB CUDA build. Without a GPU we ask for the CPU build (2.13.0+cpu).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${MPENGINE_VENV:-.venv}
+stamp="$venv/.installed-$(cat pyproject.toml tools/setup.sh | sha1sum | cut -c1-12)"
+[ -f "$stamp" ] && exit 0
+
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        spec="torch==2.13.0"
+    else
+        spec="torch==2.13.0+cpu"
+    fi
+    echo "setup: installing $spec" >&2
+    if ! "$venv/bin/pip" install -q "$spec"; then
+        echo "setup: could not install $spec; install a torch build in the 2.4-2.13 range" \
+             "into $venv first (a CPU build on machines without a GPU)" >&2
+        exit 1
+    fi
+fi
+echo "setup: installing mpengine and its test tools" >&2
+"$venv/bin/pip" install -q -e '.[test]'
+rm -f "$venv"/.installed-*
+touch "$stamp"
