@@ -1,0 +1,334 @@
+"""The output processor stage: step results in, client deltas and scheduler feedback out.
+
+Per step (``process``):
+
+1. collect prompt logprobs (they precede the first sampled token of a request);
+2. finish the sequences of a failed step with ``error``;
+3. for each sampled token of a sequence still open: append it, detokenize it, run the stop
+   checks, and build the sequence's delta;
+4. build the ``Feedback``: accepted tokens, and the sequences that finished in this step
+   or were dropped with their client since the last feedback.
+
+Stop checks per token, in vLLM's order of precedence: EOS (unless ``ignore_eos``), then
+``stop_token_ids``, then stop strings, then ``max_tokens``. None but ``max_tokens`` ends a
+sequence within its first ``min_tokens`` tokens. An EOS or stop token stays in
+``token_ids``, but its text is not sent unless ``include_stop_str_in_output``; a stop string
+cuts the text before it (or after it, with ``include_stop_str_in_output``). Without stop
+strings, the final text equals ``tokenizer.decode(token_ids minus the stop token)``.
+
+A finished sequence is forgotten: under async depth 1 the scheduler may already have
+planned one more step for it, and that token is neither sent nor accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from dataclasses import dataclass, field
+from struct import Struct
+
+from mpengine.output.detokenizer import Detokenizer, DetokenizerStream
+from mpengine.output.logprobs import concat_logprobs, logprob_row
+from mpengine.output.stop import StopStrings, TextState
+from mpengine.protocol import (
+    EMPTY_IDS,
+    AbortRequests,
+    Array,
+    Feedback,
+    FinishReason,
+    NewRequest,
+    OutputDelta,
+    PromptLogprobs,
+    StepResult,
+)
+
+log = logging.getLogger(__name__)
+_pack_i32 = Struct("<i").pack
+Output = tuple[str, OutputDelta]  # (client id, delta)
+
+
+@dataclass(slots=True)
+class _Request:
+    msg: NewRequest
+    num_open: int  # samples still running
+    # What the per-token path needs, flattened out of msg.sampling.
+    stops: StopStrings | None = None
+    stop_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) and stop_token_ids
+    eos_ids: frozenset[int] = frozenset()  # EOS ids that stop this request
+    min_tokens: int = 0
+    max_tokens: int = 0  # max_tokens, capped by max_model_len
+    include_stop: bool = False
+    num_logprobs: int | None = None
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    prompt_logprobs_due: bool = False  # asked for and not sent yet (sample 0's first delta)
+
+
+@dataclass(slots=True)
+class _Sequence:
+    seq_id: int
+    index: int  # the sample index within the request
+    request: _Request
+    stream: DetokenizerStream | None  # None for pooling requests
+    token_ids: list[int] = field(default_factory=list)
+    text: TextState = field(default_factory=TextState)
+    first_token_time: float = 0.0
+
+
+class OutputProcessor:
+    """Turns ``StepResult`` frames into ``OutputDelta`` s and ``Feedback``.
+
+    ``max_model_len`` (optional) also ends a sequence with ``length`` when prompt plus
+    output reach it; the scheduler normally caps ``max_tokens`` before that.
+    """
+
+    def __init__(
+        self, tokenizer_path: str, eos_token_ids: list[int], max_model_len: int | None = None
+    ) -> None:
+        self.detokenizer = Detokenizer.from_path(tokenizer_path)
+        self.detokenizer.stream(skip_special_tokens=True)  # build the common table now
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self._requests: dict[str, _Request] = {}
+        self._seqs: dict[int, _Sequence] = {}  # open sequences only
+        self._dropped: list[int] = []  # seq ids of dropped clients, for the next feedback
+        self._id_arrays: dict[int, Array] = {}  # token id -> its one-element Array
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests with at least one sample still running."""
+        return len(self._requests)
+
+    # -- announcements and clients -------------------------------------------------------
+
+    def announce(self, msg: NewRequest | AbortRequests) -> list[Output]:
+        """Register a new request, or end aborted ones (returning their final deltas).
+
+        Aborts come from the scheduler, which already freed the sequences: they are not
+        reported back in the feedback. Unknown request ids are ignored.
+        """
+        match msg:
+            case NewRequest():
+                self._register(msg)
+                return []
+            case AbortRequests(request_ids=request_ids, reason=reason, message=message):
+                now = time.time()
+                outputs: list[Output] = []
+                for request_id in request_ids:
+                    request = self._requests.get(request_id)
+                    if request is None:
+                        continue
+                    for seq in self._open_seqs(request):
+                        delta = self._finish(seq, reason, None, now, self._drain(seq))
+                        delta.error = message or None
+                        outputs.append((request.msg.client_id, delta))
+                return outputs
+
+    def drop_client(self, client_id: str) -> None:
+        """The client is gone: abort its requests silently; the scheduler learns of them
+        through the next feedback's finished list."""
+        now = time.time()
+        for request in [r for r in self._requests.values() if r.msg.client_id == client_id]:
+            for seq in self._open_seqs(request):
+                self._finish(seq, "abort", None, now, "")
+                self._dropped.append(seq.seq_id)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def process(self, result: StepResult) -> tuple[Feedback, list[Output]]:
+        """Handle one step's result; returns the scheduler's feedback and client deltas."""
+        now = time.time()
+        outputs: list[Output] = []
+        finished_ids, self._dropped = self._dropped, []
+        reasons: list[FinishReason] = ["abort"] * len(finished_ids)
+
+        # 1. prompt logprobs
+        for chunk in result.prompt_logprobs:
+            seq = self._seqs.get(chunk.seq_id)
+            if seq is not None and seq.index == 0:  # sample 0 scores the prompt
+                seq.request.prompt_logprobs.append(chunk)
+
+        # 2. a failed step
+        if result.error is not None:
+            for seq_id in result.failed_seq_ids.numpy().tolist():
+                seq = self._seqs.get(seq_id)
+                if seq is None:
+                    continue
+                delta = self._finish(seq, "error", None, now, self._drain(seq))
+                delta.error = result.error
+                outputs.append((seq.request.msg.client_id, delta))
+                finished_ids.append(seq_id)
+                reasons.append("error")
+
+        # 3. sampled tokens
+        seq_ids = result.seq_ids.numpy().tolist()
+        token_ids = result.token_ids.numpy().tolist()
+        if result.embeddings is not None and not token_ids:  # a pooling step samples nothing
+            token_ids = [-1] * len(seq_ids)
+        logprobs = result.logprobs
+        rows: dict[int, int] = {}
+        if logprobs is not None:
+            rows = {pos: row for row, pos in enumerate(result.logprob_rows.numpy().tolist())}
+        accepted_seqs: list[int] = []
+        accepted_tokens: list[int] = []
+        seqs = self._seqs
+        for pos, (seq_id, token_id) in enumerate(zip(seq_ids, token_ids, strict=True)):
+            seq = seqs.get(seq_id)
+            if seq is None:  # finished, aborted or dropped: this token is never visible
+                continue
+            request = seq.request
+            if seq.stream is None:
+                delta = self._embedding(seq, result, pos, now)
+            else:
+                accepted_seqs.append(seq_id)
+                accepted_tokens.append(token_id)
+                delta = self._on_token(seq, token_id, now)
+                num_top = request.num_logprobs
+                if num_top is not None and logprobs is not None and pos in rows:
+                    delta.logprobs = logprob_row(logprobs, rows[pos], num_top)
+                if request.prompt_logprobs_due and seq.index == 0:
+                    self._attach_prompt_logprobs(seq, delta)
+            if delta.finish_reason is not None:
+                finished_ids.append(seq_id)
+                reasons.append(delta.finish_reason)
+            outputs.append((request.msg.client_id, delta))
+
+        # 4. feedback
+        feedback = Feedback(
+            step=result.step,
+            seq_ids=Array("int64", (len(accepted_seqs),), array("q", accepted_seqs).tobytes()),
+            token_ids=Array(
+                "int32", (len(accepted_tokens),), array("i", accepted_tokens).tobytes()
+            ),
+            finished_seq_ids=finished_ids,
+            finish_reasons=reasons,
+        )
+        return feedback, outputs
+
+    # -- per sequence --------------------------------------------------------------------
+
+    def _on_token(self, seq: _Sequence, token_id: int, now: float) -> OutputDelta:
+        """Accept one token: detokenize, run the stop checks, return the delta."""
+        request = seq.request
+        stream: DetokenizerStream = seq.stream  # type: ignore[assignment]
+        tokens = seq.token_ids
+        if not tokens:
+            seq.first_token_time = now
+        tokens.append(token_id)
+        ids = self._id_arrays.get(token_id)
+        if ids is None:  # frozen, so one Array per token id serves every delta
+            ids = self._id_arrays[token_id] = Array("int32", (1,), _pack_i32(token_id))
+        may_stop = len(tokens) > request.min_tokens
+        if may_stop and token_id in request.stop_ids:
+            # The stop token's own text is sent only with include_stop_str_in_output,
+            # and then nothing is held back, so no held text precedes it.
+            text = stream.push(token_id) if request.include_stop else ""
+            stop_reason = None if token_id in request.eos_ids else token_id
+            return self._finish(seq, "stop", stop_reason, now, text + self._drain(seq), ids)
+        text = stream.push(token_id)
+        stops = request.stops
+        if text and stops is not None:
+            text, stop = stops.scan(seq.text, text, may_stop)
+            if stop is not None:
+                return self._finish(seq, "stop", stop, now, text, ids)
+        if len(tokens) >= request.max_tokens:
+            return self._finish(seq, "length", None, now, text + self._drain(seq), ids)
+        return OutputDelta(request.msg.request_id, seq.index, ids, text)
+
+    def _drain(self, seq: _Sequence) -> str:
+        """The text a sequence still holds back, now final: held stop-string prefixes, then
+        incomplete bytes (which decode to U+FFFD, as a full decode would)."""
+        if seq.stream is None:
+            return ""
+        stops = seq.request.stops
+        held = stops.release(seq.text) if stops is not None else ""
+        return held + seq.stream.flush()
+
+    def _finish(
+        self,
+        seq: _Sequence,
+        reason: FinishReason,
+        stop_reason: str | int | None,
+        now: float,
+        text: str,
+        token_ids: Array = EMPTY_IDS,
+    ) -> OutputDelta:
+        """Close a sequence (and its request after the last sample); its final delta."""
+        request = seq.request
+        msg = request.msg
+        del self._seqs[seq.seq_id]
+        request.num_open -= 1
+        if request.num_open == 0:
+            del self._requests[msg.request_id]
+        delta = OutputDelta(
+            msg.request_id,
+            seq.index,
+            token_ids,
+            text,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=msg.num_prompt_tokens,
+            arrival_time=msg.arrival_time,
+            scheduled_time=msg.scheduled_time,
+            first_token_time=seq.first_token_time,
+            finished_time=now,
+        )
+        if request.prompt_logprobs_due and seq.index == 0:
+            self._attach_prompt_logprobs(seq, delta)
+        return delta
+
+    def _embedding(self, seq: _Sequence, result: StepResult, pos: int, now: float) -> OutputDelta:
+        """A pooling request ends with its one embedding row."""
+        seq.first_token_time = now
+        delta = self._finish(seq, "stop", None, now, "")
+        embeddings = result.embeddings
+        if embeddings is not None and len(embeddings.shape) == 2:
+            width = embeddings.shape[1]
+            size = len(embeddings.data) // max(1, embeddings.shape[0])
+            delta.embedding = Array(
+                embeddings.dtype, (width,), embeddings.data[pos * size : (pos + 1) * size]
+            )
+        return delta
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _register(self, msg: NewRequest) -> None:
+        request = _Request(msg=msg, num_open=len(msg.seq_ids))
+        sampling = msg.sampling
+        if sampling is not None:
+            if sampling.stop:
+                stops = tuple(sampling.stop)
+                request.stops = StopStrings(stops, sampling.include_stop_str_in_output)
+            request.eos_ids = frozenset() if sampling.ignore_eos else self.eos_token_ids
+            request.stop_ids = request.eos_ids | frozenset(sampling.stop_token_ids)
+            request.min_tokens = sampling.min_tokens
+            request.max_tokens = sampling.max_tokens
+            if self.max_model_len is not None:
+                room = max(1, self.max_model_len - msg.num_prompt_tokens)
+                request.max_tokens = min(request.max_tokens, room)
+            request.include_stop = sampling.include_stop_str_in_output
+            request.num_logprobs = sampling.logprobs
+            request.prompt_logprobs_due = sampling.prompt_logprobs is not None
+        if msg.request_id in self._requests:
+            # The scheduler rejects duplicate ids; never let one clobber a live request.
+            log.warning("ignoring a second request with id %r", msg.request_id)
+            return
+        if request.num_open == 0:
+            return
+        self._requests[msg.request_id] = request
+        for index, seq_id in enumerate(msg.seq_ids):
+            stream = None
+            if sampling is not None:
+                stream = self.detokenizer.stream(sampling.skip_special_tokens)
+            self._seqs[seq_id] = _Sequence(seq_id, index, request, stream)
+
+    def _open_seqs(self, request: _Request) -> list[_Sequence]:
+        seqs = (self._seqs.get(seq_id) for seq_id in request.msg.seq_ids)
+        return [seq for seq in seqs if seq is not None and seq.request is request]
+
+    def _attach_prompt_logprobs(self, seq: _Sequence, delta: OutputDelta) -> None:
+        request = seq.request
+        num_top: int = request.msg.sampling.prompt_logprobs  # type: ignore[union-attr,assignment]
+        request.prompt_logprobs_due = False
+        delta.prompt_logprobs = concat_logprobs(request.prompt_logprobs, num_top)
+        request.prompt_logprobs = []

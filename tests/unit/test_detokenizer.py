@@ -1,0 +1,167 @@
+"""Incremental detokenization equals a full decode, and never emits half a character."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from mpengine.output.detokenizer import (
+    MAX_PENDING_TOKENS,
+    ByteStream,
+    Detokenizer,
+    WindowStream,
+)
+from mpengine.testing.tiny_tokenizer import (
+    GPT2_TOKENIZER,
+    LLAMA_TOKENIZER,
+    QWEN3_TOKENIZER,
+    corpus_texts,
+    write_tokenizer,
+)
+
+# The tokenizers of the tiny models (tiny, tiny-llama, tiny-gpt2), built without torch.
+SPECS = {"qwen3": QWEN3_TOKENIZER, "llama": LLAMA_TOKENIZER, "gpt2": GPT2_TOKENIZER}
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def detok(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Detokenizer:
+    path = tmp_path_factory.mktemp(request.param)
+    write_tokenizer(SPECS[request.param], path)
+    return Detokenizer.from_path(str(path))
+
+
+def sentencepiece_style() -> Tokenizer:
+    """A Llama 2 / Mistral style tokenizer: "▁" for spaces, byte-fallback tokens
+    ``<0xE6>`` for characters outside the vocabulary, and a context-dependent decoder
+    (the leading space of the text is stripped)."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        limit_alphabet=70,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(
+        [t for text in corpus_texts() for t in text.splitlines()], trainer
+    )
+    spec = json.loads(tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+SENTENCEPIECE = sentencepiece_style()
+
+
+def run(stream: ByteStream | WindowStream, ids: list[int]) -> tuple[list[str], str]:
+    """Push every id; return the pieces and everything including the flush."""
+    pieces = [stream.push(i) for i in ids]
+    return pieces, "".join(pieces) + stream.flush()
+
+
+# Text with many multi-byte characters, most of them not whole tokens in the vocabulary.
+unicode_text = st.text(
+    st.one_of(
+        st.sampled_from("日本語のテキスト中文한국어😀🎉👍🏽 café naïve Ωμέγα ẞ\n"),
+        st.characters(codec="utf-8", exclude_categories=("Cs",)),
+    ),
+    max_size=40,
+)
+
+
+def test_byte_level_tokenizers_take_the_fast_path(detok: Detokenizer) -> None:
+    assert detok.byte_level
+    assert isinstance(detok.stream(), ByteStream)
+    assert not Detokenizer(SENTENCEPIECE).byte_level
+
+
+def test_multibyte_characters_split_across_tokens(detok: Detokenizer) -> None:
+    text = "東京で😀を見た"
+    ids = detok.tokenizer.encode(text).ids
+    table = detok._table(True)
+    # The test is only meaningful if some token is a fragment of a character.
+    assert any(table.texts[i] is None for i in ids)
+    pieces, full = run(detok.stream(), ids)
+    assert full == text
+    assert "\ufffd" not in "".join(pieces)
+    assert "" in pieces  # a fragment produced nothing until its character was complete
+
+
+def test_first_token_may_be_a_fragment(detok: Detokenizer) -> None:
+    ids = detok.tokenizer.encode("😀 ok").ids
+    for start in range(len(ids)):
+        tail = ids[start:]
+        _, full = run(detok.stream(), tail)
+        assert full == detok.decode(tail)
+        _, full = run(WindowStream(detok.tokenizer, True), tail)
+        assert full == detok.decode(tail)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), skip=st.booleans())
+def test_random_ids_match_a_full_decode(
+    detok: Detokenizer, data: st.DataObject, skip: bool
+) -> None:
+    vocab_size = detok.tokenizer.get_vocab_size()
+    # Special tokens, the first ids, and ids past the vocabulary (a padded embedding).
+    ids = data.draw(st.lists(st.integers(0, vocab_size + 8), max_size=24))
+    want = detok.decode(ids, skip_special_tokens=skip)
+    assert run(detok.stream(skip), ids)[1] == want
+    assert run(WindowStream(detok.tokenizer, skip), ids)[1] == want
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=unicode_text)
+def test_real_text_streams_without_replacement_characters(detok: Detokenizer, text: str) -> None:
+    ids = detok.tokenizer.encode(text).ids
+    for stream in (detok.stream(), WindowStream(detok.tokenizer, True)):
+        pieces, full = run(stream, ids)
+        assert full == detok.decode(ids)
+        assert "\ufffd" not in "".join(pieces)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=unicode_text)
+def test_sentencepiece_style_text_matches_a_full_decode(text: str) -> None:
+    ids = SENTENCEPIECE.encode(text).ids
+    pieces, full = run(WindowStream(SENTENCEPIECE, True), ids)
+    assert full == SENTENCEPIECE.decode(ids)
+    assert "\ufffd" not in "".join(pieces)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), skip=st.booleans())
+def test_sentencepiece_style_random_word_ids(data: st.DataObject, skip: bool) -> None:
+    # Byte-fallback tokens are left out: ByteFallback decodes an invalid byte group to one
+    # U+FFFD per byte, even its valid bytes, so invalid UTF-8 can rewrite text already sent
+    # (as in vLLM). Valid text is covered by the test above.
+    vocab = SENTENCEPIECE.get_vocab()
+    words = sorted(i for t, i in vocab.items() if not t.startswith("<0x"))
+    ids = data.draw(st.lists(st.sampled_from(words), max_size=24))
+    want = SENTENCEPIECE.decode(ids, skip_special_tokens=skip)
+    assert run(WindowStream(SENTENCEPIECE, skip), ids)[1] == want
+
+
+def test_window_stream_cannot_grow_without_bound() -> None:
+    # Special tokens decode to nothing when skipped: the window is emitted anyway.
+    stream = WindowStream(SENTENCEPIECE, True)
+    for _ in range(100):
+        stream.push(2)
+    assert len(stream._ids) <= 2 * MAX_PENDING_TOKENS

@@ -1,0 +1,387 @@
+"""The output processor stage fed synthetic announcements and step results."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from mpengine.output import OutputProcessor
+from mpengine.protocol import (
+    AbortRequests,
+    Array,
+    Feedback,
+    Logprobs,
+    NewRequest,
+    OutputDelta,
+    PoolingParams,
+    PromptLogprobs,
+    SamplingParams,
+    StepResult,
+)
+from mpengine.testing.tiny_tokenizer import QWEN3_TOKENIZER, write_tokenizer
+
+Outputs = list[tuple[str, OutputDelta]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny")
+    write_tokenizer(QWEN3_TOKENIZER, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+
+
+@pytest.fixture
+def proc(tokenizer_dir: Path, tok: Tokenizer) -> OutputProcessor:
+    return OutputProcessor(str(tokenizer_dir), [tok.token_to_id("<|im_end|>")])
+
+
+def eos(tok: Tokenizer) -> int:
+    return tok.token_to_id("<|im_end|>")
+
+
+def new(
+    request_id: str,
+    seq_ids: list[int],
+    client: str = "c1",
+    sampling: SamplingParams | None = None,
+    **kwargs: object,
+) -> NewRequest:
+    if sampling is None:
+        sampling = SamplingParams(**kwargs)  # type: ignore[arg-type]
+    return NewRequest(request_id, client, seq_ids, 7, sampling, None, 100.0, 101.0)
+
+
+def result(step: int, pairs: list[tuple[int, int]], **kwargs: object) -> StepResult:
+    seq_ids = Array.of([s for s, _ in pairs], "int64")
+    token_ids = Array.of([t for _, t in pairs], "int32")
+    return StepResult(step, seq_ids, token_ids, **kwargs)  # type: ignore[arg-type]
+
+
+def feed(proc: OutputProcessor, seq_id: int, ids: list[int]) -> tuple[list[Feedback], Outputs]:
+    """One token per step for one sequence."""
+    feedbacks, outputs = [], []
+    for step, token_id in enumerate(ids):
+        feedback, out = proc.process(result(step, [(seq_id, token_id)]))
+        feedbacks.append(feedback)
+        outputs += out
+    return feedbacks, outputs
+
+
+def joined(outputs: Outputs, index: int = 0) -> tuple[str, list[int]]:
+    deltas = [d for _, d in outputs if d.index == index]
+    return "".join(d.text for d in deltas), [
+        t for d in deltas for t in d.token_ids.numpy().tolist()
+    ]
+
+
+def test_streams_text_and_finishes_on_length(proc: OutputProcessor, tok: Tokenizer) -> None:
+    text = "The cat sat on the mat, 日本語 and 😀."
+    ids = tok.encode(text).ids
+    proc.announce(new("r1", [5], max_tokens=len(ids)))
+    assert proc.num_unfinished == 1
+    feedbacks, outputs = feed(proc, 5, ids)
+    assert all(client == "c1" for client, _ in outputs)
+    assert len(outputs) == len(ids)  # one delta per step: every token is visible
+    assert joined(outputs) == (text, ids)
+    assert all("\ufffd" not in d.text for _, d in outputs)
+    final = outputs[-1][1]
+    assert (final.finish_reason, final.stop_reason, final.num_prompt_tokens) == ("length", None, 7)
+    assert (final.arrival_time, final.scheduled_time) == (100.0, 101.0)
+    assert final.finished_time >= final.first_token_time > 101.0
+    assert all(d.finish_reason is None for _, d in outputs[:-1])
+    assert [f.token_ids.numpy().tolist() for f in feedbacks] == [[t] for t in ids]
+    assert all(f.seq_ids.numpy().tolist() == [5] for f in feedbacks)
+    assert feedbacks[-1].finished_seq_ids == [5] and feedbacks[-1].finish_reasons == ["length"]
+    assert all(not f.finished_seq_ids for f in feedbacks[:-1])
+    assert proc.num_unfinished == 0
+
+
+def test_eos_stops_and_its_text_is_not_sent(proc: OutputProcessor, tok: Tokenizer) -> None:
+    ids = tok.encode("Hi there").ids
+    proc.announce(new("r1", [1], skip_special_tokens=False))
+    feedbacks, outputs = feed(proc, 1, [*ids, eos(tok)])
+    assert joined(outputs) == ("Hi there", [*ids, eos(tok)])
+    final = outputs[-1][1]
+    assert (final.finish_reason, final.stop_reason) == ("stop", None)
+    assert feedbacks[-1].finished_seq_ids == [1]
+    assert feedbacks[-1].token_ids.numpy().tolist() == [eos(tok)]
+
+
+def test_ignore_eos_and_min_tokens(proc: OutputProcessor, tok: Tokenizer) -> None:
+    proc.announce(new("a", [1], ignore_eos=True, max_tokens=3, skip_special_tokens=False))
+    proc.announce(new("b", [2], min_tokens=2, max_tokens=5))
+    steps = [
+        [(1, eos(tok)), (2, eos(tok))],
+        [(1, 33), (2, eos(tok))],
+        [(1, eos(tok)), (2, eos(tok))],
+    ]
+    outputs: Outputs = []
+    for step, pairs in enumerate(steps):
+        outputs += proc.process(result(step, pairs))[1]
+    a = [d for _, d in outputs if d.request_id == "a"]
+    b = [d for _, d in outputs if d.request_id == "b"]
+    assert a[-1].finish_reason == "length"
+    assert "".join(d.text for d in a).count("<|im_end|>") == 2
+    # EOS inside min_tokens is a token like any other; the one after ends the sequence.
+    assert [d.finish_reason for d in b] == [None, None, "stop"]
+
+
+def test_stop_token_ids(proc: OutputProcessor, tok: Tokenizer) -> None:
+    ids = tok.encode("one, two; three").ids
+    stop_id = ids[3]
+    proc.announce(new("a", [1], stop_token_ids=[stop_id]))
+    proc.announce(new("b", [2], stop_token_ids=[stop_id], include_stop_str_in_output=True))
+    outputs: Outputs = []
+    for step, token in enumerate(ids[:4]):
+        outputs += proc.process(result(step, [(1, token), (2, token)]))[1]
+    a, b = joined(outputs[0::2]), joined(outputs[1::2])
+    assert a == (tok.decode(ids[:3]), ids[:4])
+    assert b == (tok.decode(ids[:4]), ids[:4])
+    assert outputs[-1][1].stop_reason == stop_id and outputs[-1][1].finish_reason == "stop"
+
+
+def test_eos_takes_precedence_over_stop_ids_and_stop_strings_over_length(
+    proc: OutputProcessor, tok: Tokenizer
+) -> None:
+    proc.announce(new("a", [1], stop_token_ids=[eos(tok)]))
+    _, out = proc.process(result(0, [(1, eos(tok))]))
+    assert (out[0][1].finish_reason, out[0][1].stop_reason) == ("stop", None)
+    ids = tok.encode("ab").ids
+    proc.announce(new("b", [2], stop=["b"], max_tokens=len(ids)))
+    _, out = feed(proc, 2, ids)
+    assert (out[-1][1].finish_reason, out[-1][1].stop_reason) == ("stop", "b")
+
+
+def test_stop_string_across_tokens_is_held_back(proc: OutputProcessor, tok: Tokenizer) -> None:
+    text = "Answer: 42 </answer> trailing"
+    ids = tok.encode(text).ids
+    proc.announce(new("r", [3], stop=["</answer>"], max_tokens=100))
+    feedbacks, outputs = feed(proc, 3, ids)
+    stop_at = next(i for i, (_, d) in enumerate(outputs) if d.finish_reason)
+    assert joined(outputs)[0] == "Answer: 42 "
+    # No delta ever carried a piece of the stop string.
+    assert all("<" not in d.text for _, d in outputs)
+    assert outputs[stop_at][1].stop_reason == "</answer>"
+    assert feedbacks[stop_at].finished_seq_ids == [3]
+    assert len(outputs) == stop_at + 1  # later tokens were ignored
+    assert all(not f.token_ids.numpy().size for f in feedbacks[stop_at + 1 :])
+
+
+def test_stop_string_include_and_prefix_release(proc: OutputProcessor, tok: Tokenizer) -> None:
+    ids = tok.encode("x <b> y <br> z").ids
+    proc.announce(new("a", [1], stop=["<br>"], include_stop_str_in_output=True, max_tokens=99))
+    proc.announce(new("b", [2], stop=["<bx"], max_tokens=len(ids)))
+    outputs: Outputs = []
+    for step, token in enumerate(ids):
+        outputs += proc.process(result(step, [(1, token), (2, token)]))[1]
+    a = "".join(d.text for _, d in outputs if d.request_id == "a")
+    b = "".join(d.text for _, d in outputs if d.request_id == "b")
+    assert a == "x <b> y <br>"
+    assert b == "x <b> y <br> z"  # held prefixes were released, and at the end
+
+
+def test_multibyte_split_never_sends_replacement_chars(
+    proc: OutputProcessor, tok: Tokenizer
+) -> None:
+    text = "😀🎉👍🏽 東京 — naïve Ωμέγα"
+    ids = tok.encode(text).ids
+    proc.announce(new("r", [1], max_tokens=len(ids), stop=["Ω"]))
+    _, outputs = feed(proc, 1, ids)
+    assert any(d.text == "" for _, d in outputs)  # a fragment step sent tokens, no text
+    assert all("\ufffd" not in d.text for _, d in outputs)
+    assert joined(outputs)[0] == "😀🎉👍🏽 東京 — naïve "
+
+
+def test_n_samples_finish_independently(proc: OutputProcessor, tok: Tokenizer) -> None:
+    proc.announce(new("r", [10, 11, 12], n=3, max_tokens=3))
+    a, b = tok.encode("a").ids[0], tok.encode("b").ids[0]
+    fb0, out0 = proc.process(result(0, [(10, a), (11, b), (12, eos(tok))]))
+    assert [(d.index, d.text, d.finish_reason) for _, d in out0] == [
+        (0, "a", None),
+        (1, "b", None),
+        (2, "", "stop"),
+    ]
+    assert fb0.finished_seq_ids == [12] and proc.num_unfinished == 1
+    # Async depth 1: seq 12 was planned once more; its token is neither sent nor accepted.
+    fb1, out1 = proc.process(result(1, [(10, a), (11, b), (12, a)]))
+    assert [d.index for _, d in out1] == [0, 1]
+    assert fb1.seq_ids.numpy().tolist() == [10, 11]
+    fb2, out2 = proc.process(result(2, [(10, a), (11, b)]))
+    assert [d.finish_reason for _, d in out2] == ["length", "length"]
+    assert fb2.finished_seq_ids == [10, 11] and proc.num_unfinished == 0
+
+
+def test_abort_announcement(proc: OutputProcessor, tok: Tokenizer) -> None:
+    proc.announce(new("r", [1, 2], n=2, stop=["zzz"], max_tokens=9))
+    proc.announce(new("other", [3]))
+    proc.process(result(0, [(1, tok.encode("z").ids[0]), (2, 40), (3, 40)]))
+    out = proc.announce(AbortRequests(["r", "unknown"], reason="error", message="boom"))
+    assert [(d.index, d.finish_reason, d.error) for _, d in out] == [
+        (0, "error", "boom"),
+        (1, "error", "boom"),
+    ]
+    assert out[0][1].text == "z"  # the held stop-string prefix is released
+    assert proc.num_unfinished == 1
+    feedback, out = proc.process(result(1, [(1, 40), (3, 40)]))
+    assert [d.request_id for _, d in out] == ["other"]
+    assert feedback.finished_seq_ids == []  # the scheduler aborted them itself
+    assert proc.announce(AbortRequests(["r"])) == []
+
+
+def test_drop_client(proc: OutputProcessor) -> None:
+    proc.announce(new("a", [1, 2], client="gone", n=2))
+    proc.announce(new("b", [3], client="stays"))
+    proc.process(result(0, [(1, 40), (2, 41), (3, 42)]))
+    proc.drop_client("gone")
+    assert proc.num_unfinished == 1
+    feedback, out = proc.process(result(1, [(1, 40), (2, 41), (3, 42)]))
+    assert [client for client, _ in out] == ["stays"]
+    assert feedback.finished_seq_ids == [1, 2] and feedback.finish_reasons == ["abort", "abort"]
+    assert feedback.seq_ids.numpy().tolist() == [3]
+    feedback, _ = proc.process(result(2, [(3, 42)]))
+    assert feedback.finished_seq_ids == []  # reported once
+
+
+def test_failed_step(proc: OutputProcessor) -> None:
+    proc.announce(new("a", [1]))
+    proc.announce(new("b", [2]))
+    proc.process(result(0, [(1, 40), (2, 41)]))
+    failed = StepResult(
+        1,
+        Array.of([], "int64"),
+        Array.of([]),
+        error="device lost",
+        failed_seq_ids=Array.of([1, 2, 99]),
+    )
+    feedback, out = proc.process(failed)
+    assert [(d.request_id, d.finish_reason, d.error) for _, d in out] == [
+        ("a", "error", "device lost"),
+        ("b", "error", "device lost"),
+    ]
+    assert feedback.finished_seq_ids == [1, 2] and feedback.finish_reasons == ["error", "error"]
+    assert proc.num_unfinished == 0
+
+
+def logprobs(rows: int, width: int, base: float = 0.0) -> Logprobs:
+    top = np.arange(rows * width).reshape(rows, width)
+    return Logprobs(
+        Array.of(np.arange(rows) + 100),
+        Array.of(np.arange(rows) - base, "float32"),
+        Array.of(top),
+        Array.of(-top - base, "float32"),
+    )
+
+
+def test_logprobs_and_prompt_logprobs(proc: OutputProcessor) -> None:
+    proc.announce(new("a", [1, 2], n=2, logprobs=2, prompt_logprobs=1, max_tokens=2))
+    proc.announce(new("b", [3]))
+    chunks = [PromptLogprobs(1, 3, logprobs(2, 3, 10.0)), PromptLogprobs(1, 0, logprobs(3, 3))]
+    step0 = result(
+        0,
+        [(3, 50), (1, 51), (2, 52)],
+        logprobs=logprobs(2, 4),
+        logprob_rows=Array.of([1, 2]),  # row j belongs to seq_ids[logprob_rows[j]]
+        prompt_logprobs=chunks,
+    )
+    _, out = proc.process(step0)
+    b, a0, a1 = (d for _, d in out)
+    assert b.logprobs is None and b.prompt_logprobs is None
+    assert a0.logprobs.token_ids.numpy().tolist() == [100]  # type: ignore[union-attr]
+    assert a1.logprobs.top_ids.numpy().tolist() == [[4, 5]]  # type: ignore[union-attr]
+    assert a1.prompt_logprobs is None  # only sample 0 carries them
+    prompt = a0.prompt_logprobs
+    assert prompt is not None
+    assert prompt.token_ids.numpy().tolist() == [100, 101, 102, 100, 101]  # in position order
+    assert prompt.top_ids.numpy().shape == (5, 1)
+    _, out = proc.process(result(1, [(1, 51)], logprobs=logprobs(1, 4), logprob_rows=Array.of([0])))
+    assert out[0][1].prompt_logprobs is None and out[0][1].logprobs is not None
+
+
+def test_prompt_logprobs_keep_the_first_value_of_a_position(proc: OutputProcessor) -> None:
+    # Preempted before its first output, sample 0 recomputes (and rescores) its prompt.
+    proc.announce(new("a", [1], logprobs=0, prompt_logprobs=0))
+    chunks = [
+        PromptLogprobs(1, 1, logprobs(2, 0)),
+        PromptLogprobs(1, 1, logprobs(3, 0, 50.0)),
+        PromptLogprobs(1, 4, logprobs(1, 0, 50.0)),
+    ]
+    _, out = proc.process(
+        result(
+            0, [(1, 7)], logprobs=logprobs(1, 0), logprob_rows=Array.of([0]), prompt_logprobs=chunks
+        )
+    )
+    prompt = out[0][1].prompt_logprobs
+    assert prompt is not None
+    assert prompt.logprobs.numpy().tolist() == [0.0, 1.0, -48.0, -50.0]
+    assert prompt.top_ids.numpy().shape == (4, 0)
+    assert out[0][1].logprobs.top_ids.numpy().shape == (1, 0)  # type: ignore[union-attr]
+
+
+def test_embeddings(tokenizer_dir: Path) -> None:
+    proc = OutputProcessor(str(tokenizer_dir / "tokenizer.json"), [2])
+    proc.announce(NewRequest("e", "c", [4], 5, None, PoolingParams(), 1.0, 2.0))
+    emb = Array.of(np.array([[1, 2, 3], [4, 5, 6]]), "float32")
+    # A pooling step samples nothing: its token ids may be empty.
+    step = StepResult(0, Array.of([9, 4], "int64"), Array.of([]), embeddings=emb)
+    feedback, out = proc.process(step)
+    assert out[0][1].embedding.numpy().tolist() == [4, 5, 6]  # type: ignore[union-attr]
+    assert out[0][1].finish_reason == "stop" and feedback.finished_seq_ids == [4]
+    assert feedback.seq_ids.numpy().size == 0
+    assert proc.num_unfinished == 0
+
+
+def test_max_model_len_caps_the_output(tokenizer_dir: Path) -> None:
+    proc = OutputProcessor(str(tokenizer_dir), [2], max_model_len=10)
+    proc.announce(new("a", [1], max_tokens=50))  # 7 prompt tokens: room for 3
+    _, out = feed(proc, 1, [40, 41, 42, 43])
+    assert [d.finish_reason for _, d in out] == [None, None, "length"]
+
+
+def test_the_package_needs_neither_torch_nor_transformers() -> None:
+    package = Path(__file__).parents[2] / "mpengine" / "output"
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not [n for n in names if n.split(".")[0] in ("torch", "transformers")], path
+
+
+def reference(text: str, stops: list[str]) -> str:
+    for end in range(1, len(text) + 1):
+        done = [s for s in stops if text[:end].endswith(s)]
+        if done:
+            return text[: end - max(map(len, done))]
+    return text
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), skip=st.booleans())
+def test_final_text_equals_a_full_decode(
+    tokenizer_dir: Path, tok: Tokenizer, data: st.DataObject, skip: bool
+) -> None:
+    proc = OutputProcessor(str(tokenizer_dir), [eos(tok)])
+    vocab = [i for i in range(tok.get_vocab_size()) if i != eos(tok)]
+    ids = data.draw(st.lists(st.sampled_from(vocab), min_size=1, max_size=30))
+    full = tok.decode(ids, skip_special_tokens=skip)
+    pieces = [full[i : i + 2] for i in range(0, len(full), 3) if "\ufffd" not in full[i : i + 2]]
+    stops = data.draw(st.lists(st.sampled_from(pieces), max_size=2)) if pieces else []
+    proc.announce(new("r", [1], max_tokens=len(ids), stop=stops, skip_special_tokens=skip))
+    _, outputs = feed(proc, 1, ids)
+    text, sent_ids = joined(outputs)
+    assert text == reference(full, stops)
+    assert sent_ids == ids[: len(sent_ids)]
+    assert outputs[-1][1].finish_reason == ("stop" if text != full else "length")
