@@ -1,0 +1,258 @@
+"""Named POSIX shared-memory segments and semaphores for one engine.
+
+Every object this package puts in ``/dev/shm`` is named
+
+    /mpe.<engine_id>.<owner_pid>.<purpose>[.<suffix>]
+
+so that two engines on one host never collide, and so that :func:`sweep_stale`
+can tell from the name alone which process owns an object. Segments appear as
+``/dev/shm/mpe...``; posix_ipc semaphores as ``/dev/shm/sem.mpe...``.
+
+Ownership: the process that creates an object unlinks it, on ``close()``, or at
+interpreter exit if it forgot (an ``atexit`` hook). A process killed with
+SIGKILL cannot clean up; the next engine start (or anyone) calls
+:func:`sweep_stale` to remove objects whose owner pid is gone. Attachers only
+unmap.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import mmap
+import os
+import re
+from types import TracebackType
+
+import posix_ipc
+
+SHM_DIR = "/dev/shm"
+PREFIX = "mpe."
+MODE = 0o600
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,20}")
+_MIB = 1 << 20
+
+# Objects created and not unlinked yet: (kind "shm" or "sem", name) -> creator pid. The pid
+# keeps a forked child from unlinking its parent's objects when it exits.
+_owned: dict[tuple[str, str], int] = {}
+
+
+def make_name(engine_id: str, purpose: str, pid: int | None = None) -> str:
+    """The POSIX name (leading slash) of an object owned by ``pid`` (default: this process)."""
+    for label, token in (("engine_id", engine_id), ("purpose", purpose)):
+        if not _TOKEN.fullmatch(token):
+            raise ValueError(f"{label} {token!r} must be 1-20 characters of [A-Za-z0-9_-]")
+    return f"/{PREFIX}{engine_id}.{os.getpid() if pid is None else pid}.{purpose}"
+
+
+def owner_pid(name: str) -> int | None:
+    """The owner pid encoded in an object name (with or without slash / ``sem.``), or None."""
+    base = name.lstrip("/").removeprefix("sem.")
+    parts = base.split(".")
+    if len(parts) < 4 or not parts[2].isdigit():
+        return None
+    return int(parts[2])
+
+
+class ShmSpaceError(OSError):
+    """/dev/shm has too little free space for a new segment."""
+
+
+def check_free_space(size: int, name: str) -> None:
+    """Raise ShmSpaceError unless /dev/shm can hold ``size`` more bytes.
+
+    tmpfs allocates lazily, so an oversized segment is created without error and
+    the process dies of SIGBUS much later, when it first touches a missing page.
+    """
+    st = os.statvfs(SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise ShmSpaceError(
+            f"shared memory segment {name} needs {size / _MIB:.1f} MiB in {SHM_DIR}, "
+            f"only {free / _MIB:.1f} MiB free (size {st.f_blocks * st.f_frsize / _MIB:.0f} MiB); "
+            f"enlarge it (docker run --shm-size=1g, or mount -o remount,size=1g {SHM_DIR}) "
+            f"or configure smaller shared-memory buffers"
+        )
+
+
+class Segment:
+    """A named shared-memory segment mapped into this process.
+
+    ``buf`` is the mmap. ``close()`` unmaps it unless views into it (memoryviews,
+    ctypes objects) are still alive; then it is unmapped when the last one dies.
+    """
+
+    def __init__(self, name: str, buf: mmap.mmap, owner: bool) -> None:
+        self.name = name
+        self.buf = buf
+        self.size = len(buf)
+        self.owner = owner
+        self._closed = False
+
+    @classmethod
+    def create(cls, engine_id: str, purpose: str, size: int) -> Segment:
+        """Create ``/mpe.<engine_id>.<pid>.<purpose>`` of ``size`` bytes, mode 0600."""
+        if size <= 0:
+            raise ValueError(f"segment size must be positive, got {size}")
+        name = make_name(engine_id, purpose)
+        check_free_space(size, name)
+        try:
+            mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=MODE)
+        except posix_ipc.ExistentialError as e:
+            raise FileExistsError(f"shared memory segment {name} already exists") from e
+        _owned["shm", name] = os.getpid()
+        try:
+            os.fchmod(mem.fd, MODE)  # shm_open's mode is filtered by the umask
+            # Reserve the pages now: a clear ENOSPC here beats a SIGBUS later.
+            try:
+                os.posix_fallocate(mem.fd, 0, size)
+            except OSError as e:
+                check_free_space(size, name)  # raced with another allocation: explain
+                raise ShmSpaceError(f"cannot allocate {size} bytes for {name}: {e}") from e
+            buf = mmap.mmap(mem.fd, size)
+        except BaseException:
+            _unlink("shm", name)
+            raise
+        finally:
+            mem.close_fd()
+        return cls(name, buf, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> Segment:
+        """Map an existing segment created by another process (or this one)."""
+        try:
+            mem = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError as e:
+            raise FileNotFoundError(f"shared memory segment {name} does not exist") from e
+        try:
+            if mem.size == 0:  # mapped before its creator sized it
+                raise ValueError(f"shared memory segment {name} is empty (still being created?)")
+            buf = mmap.mmap(mem.fd, mem.size)
+        finally:
+            mem.close_fd()
+        return cls(name, buf, owner=False)
+
+    def close(self) -> None:
+        """Unmap; the creator also unlinks the name. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.owner:
+            _unlink("shm", self.name)
+        # Views into the mapping may still live (a kept traceback can hold some): then the
+        # mapping goes away with the last of them. The name is gone already, which matters.
+        with contextlib.suppress(BufferError):
+            self.buf.close()
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Segment({self.name!r}, size={self.size}, owner={self.owner})"
+
+
+def create_semaphore(name: str) -> posix_ipc.Semaphore:
+    """Create a semaphore (value 0, mode 0600) that this process owns and must unlink."""
+    try:
+        sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=MODE, initial_value=0)
+    except posix_ipc.ExistentialError as e:
+        raise FileExistsError(f"semaphore {name} already exists") from e
+    _owned["sem", name] = os.getpid()
+    return sem
+
+
+def open_semaphore(name: str) -> posix_ipc.Semaphore:
+    """Open a semaphore created by :func:`create_semaphore`."""
+    try:
+        return posix_ipc.Semaphore(name)
+    except posix_ipc.ExistentialError as e:
+        raise FileNotFoundError(f"semaphore {name} does not exist") from e
+
+
+def close_semaphore(sem: posix_ipc.Semaphore, owner: bool) -> None:
+    """Close a semaphore handle; the owner also unlinks its name."""
+    name = sem.name
+    sem.close()
+    if owner:
+        _unlink("sem", name)
+
+
+def _unlink(kind: str, name: str) -> bool:
+    """Unlink a segment or semaphore by POSIX name; False if it was already gone."""
+    _owned.pop((kind, name), None)
+    unlink = posix_ipc.unlink_shared_memory if kind == "shm" else posix_ipc.unlink_semaphore
+    try:
+        unlink(name)
+    except posix_ipc.ExistentialError:
+        return False
+    return True
+
+
+@atexit.register
+def _unlink_owned_at_exit() -> None:
+    pid = os.getpid()
+    for (kind, name), creator in list(_owned.items()):
+        if creator == pid:
+            _unlink(kind, name)
+
+
+def _pid_started_after(pid: int, mtime: float) -> bool:
+    """True when process ``pid`` started after ``mtime``: it reuses a dead owner's pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # Field 22 (starttime, clock ticks since boot) follows the parenthesised comm.
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return False
+    started = boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    return started > mtime + 1.0  # btime has 1 s resolution
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by another user
+    return True
+
+
+def sweep_stale(prefix: str = PREFIX) -> list[str]:
+    """Remove segments and semaphores under ``prefix`` whose owner process is gone.
+
+    ``prefix`` is matched against the ``/dev/shm`` file name without ``sem.``,
+    e.g. ``"mpe."`` (every engine) or ``"mpe.<engine_id>."`` (one engine).
+    An owner counts as gone when its pid does not exist, or exists but started
+    after the object was last modified (the pid was reused). Pids are those of
+    this pid namespace: engines in other containers sharing ``/dev/shm`` must use
+    a narrower prefix. Returns the removed ``/dev/shm`` file names.
+    """
+    removed: list[str] = []
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return removed
+    for entry in sorted(entries):
+        is_sem = entry.startswith("sem.")
+        base = entry[4:] if is_sem else entry
+        pid = owner_pid(base)
+        if not base.startswith(prefix) or pid is None:
+            continue
+        if _pid_alive(pid):
+            try:
+                mtime = os.stat(os.path.join(SHM_DIR, entry)).st_mtime
+            except FileNotFoundError:
+                continue
+            if not _pid_started_after(pid, mtime):
+                continue
+        if _unlink("sem" if is_sem else "shm", "/" + base):
+            removed.append(entry)
+    return removed
