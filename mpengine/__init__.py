@@ -3,16 +3,16 @@ OS processes, in lockstep over shared-memory rings."""
 
 __version__ = "0.1.0"
 
-from mpengine.client import (  # noqa: E402
+from mpengine.client import (
     AsyncClient,
     Client,
     CompletionOutput,
     InvalidRequestError,
     RequestOutput,
 )
-from mpengine.config import EngineConfig  # noqa: E402
-from mpengine.launch import Engine, EngineDeadError, EngineStartError, launch  # noqa: E402
-from mpengine.protocol import PoolingParams, SamplingParams  # noqa: E402
+from mpengine.config import EngineConfig
+from mpengine.launch import Engine, EngineDeadError, EngineStartError, launch
+from mpengine.protocol import PoolingParams, SamplingParams
 
 __all__ = [
     "AsyncClient",

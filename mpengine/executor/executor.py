@@ -1,0 +1,245 @@
+"""The executor stage: runs one :class:`~mpengine.protocol.StepPlan` per call."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+import torch
+
+from mpengine.config import EngineConfig
+from mpengine.executor.attention import METADATA_KWARG, build_metadata
+from mpengine.executor.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for
+from mpengine.executor.model_loader import LoadedModel, load_model
+from mpengine.executor.sampler import Sampler, token_logprobs
+from mpengine.executor.slots import SlotState
+from mpengine.protocol import EMPTY_IDS, Array, ExecutorInfo, PromptLogprobs, StepPlan, StepResult
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class Executor:
+    """Owns the model, the KV cache and the per-slot state; ``execute`` runs one step.
+
+    A step that fails (bad plan, model error) returns a ``StepResult`` with ``error`` set
+    and every scheduled sequence in ``failed_seq_ids``; the executor keeps serving.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.loaded: LoadedModel = load_model(config)
+        self.model = self.loaded.model
+        self.device = self.loaded.device
+        spec = KVCacheSpec(
+            num_layers=self.loaded.num_layers,
+            num_kv_heads=self.loaded.num_kv_heads,
+            head_dim=self.loaded.head_dim,
+            block_size=config.block_size,
+            dtype=self.loaded.dtype,
+        )
+        self.num_blocks = num_blocks_for(config, spec, self.device)
+        self.kv_caches = allocate_kv_cache(spec, self.num_blocks, self.device)
+        self.max_model_len = self.loaded.max_model_len
+        self.slots = SlotState(
+            config.num_slots,
+            max_blocks_per_seq=math.ceil(self.max_model_len / config.block_size),
+            max_model_len=self.max_model_len,
+            vocab_size=self.loaded.vocab_size,
+            eos_token_ids=self.loaded.eos_token_ids,
+        )
+        self.sampler = Sampler(self.device, config.seed)
+        self.info = ExecutorInfo(
+            num_blocks=self.num_blocks,
+            block_size=config.block_size,
+            vocab_size=self.loaded.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.loaded.eos_token_ids,
+            kv_cache_bytes=self.num_blocks * spec.bytes_per_block,
+            device=str(self.device),
+            dtype=_DTYPE_NAMES.get(self.loaded.dtype, str(self.loaded.dtype)),
+            model_path=self.loaded.path,
+            num_threads=torch.get_num_threads(),
+        )
+        logger.info("executor ready: %s", self.info)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run ``plan``: apply its slot and block-table changes, compute its tokens, sample."""
+        started = time.perf_counter()
+        try:
+            result = self._execute(plan)
+        except Exception as exc:
+            logger.exception("step %d failed", plan.step)
+            result = StepResult(
+                step=plan.step,
+                seq_ids=Array("int64", (0,), b""),
+                token_ids=EMPTY_IDS,
+                error=f"{type(exc).__name__}: {exc}",
+                failed_seq_ids=Array.of(plan.seq_ids.numpy(), "int64"),
+            )
+        result.execute_time = time.perf_counter() - started
+        return result
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepResult:
+        # 1. slot resets, then block-table deltas
+        for seq in plan.new_seqs:
+            self.slots.start(seq)
+        self._update_block_table(plan)
+
+        # 2. the step's layout on the host
+        slots = plan.slots.numpy().astype(np.int64)
+        starts = plan.starts.numpy().astype(np.int64)
+        num_tokens = plan.num_tokens.numpy().astype(np.int64)
+        sample = plan.sample.numpy().astype(bool)
+        seq_ids = plan.seq_ids.numpy().astype(np.int64)
+        self._check_plan(plan, slots, starts, num_tokens, sample, seq_ids)
+        total = int(num_tokens.sum())
+        first_token = np.cumsum(num_tokens) - num_tokens
+        positions = np.arange(total) + np.repeat(starts - first_token, num_tokens)
+        token_slots = np.repeat(slots, num_tokens)
+        token_ids = plan.token_ids.numpy().astype(np.int64)  # a writable copy
+        pending = token_ids < 0
+        token_ids[pending] = self.slots.last_token[token_slots[pending]]
+        if (token_ids < 0).any():
+            raise ValueError("a -1 token refers to a slot that has sampled nothing yet")
+        if (token_ids >= self.loaded.vocab_size).any():
+            raise ValueError(f"token id out of range [0, {self.loaded.vocab_size})")
+        self.slots.record(token_slots, positions, token_ids)
+
+        # 3. which logits rows are needed: sampling positions, then prompt-logprob positions
+        sampling = np.flatnonzero(sample)
+        sample_rows = first_token[sampling] + num_tokens[sampling] - 1
+        prompt_chunks = self._prompt_logprob_chunks(slots, starts, num_tokens, first_token)
+        keep = np.concatenate([sample_rows, *(rows for _, _, rows, _ in prompt_chunks)])
+        # A chunk that samples nothing still runs: its keys and values fill the cache.
+        logits = (
+            self._forward(token_ids, positions, keep, slots, starts, num_tokens) if total else None
+        )
+
+        # 4. sample, remember each sampled token for the slot's next decode
+        result = StepResult(
+            step=plan.step,
+            seq_ids=Array.of(seq_ids[sampling], "int64"),
+            token_ids=EMPTY_IDS,
+        )
+        if len(sampling):
+            contexts = starts[sampling] + num_tokens[sampling]
+            rows = self.slots.sampling_rows(slots[sampling], contexts)
+            out = self.sampler.sample(logits[: len(sampling)], rows)
+            self.slots.last_token[slots[sampling]] = out.token_ids
+            result.token_ids = Array.of(out.token_ids, "int32")
+            if out.logprobs is not None:
+                result.logprobs = out.logprobs
+                result.logprob_rows = Array.of(out.logprob_rows, "int32")
+
+        # 5. prompt logprobs, one entry per chunk
+        offset = len(sampling)
+        for i, first, rows, num_top in prompt_chunks:
+            targets = self.slots.prompt_token_ids[slots[i]][first : first + len(rows)]
+            chunk_logits = logits[offset : offset + len(rows)]
+            offset += len(rows)
+            target_ids = torch.from_numpy(targets.astype(np.int64)).to(self.device)
+            logprobs = token_logprobs(chunk_logits, target_ids, num_top)
+            result.prompt_logprobs.append(PromptLogprobs(int(seq_ids[i]), first, logprobs))
+        return result
+
+    def _forward(
+        self,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        keep: np.ndarray,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        num_tokens: np.ndarray,
+    ) -> torch.Tensor:
+        """Logits ``[len(keep), vocab]`` at batch rows ``keep``."""
+        device = self.device
+        metadata = build_metadata(
+            starts, num_tokens, slots, positions, self.slots.block_table, self.kv_caches, device
+        )
+        output = self.model(
+            input_ids=torch.from_numpy(token_ids)[None].to(device),
+            position_ids=torch.from_numpy(positions)[None].to(device),
+            use_cache=False,
+            logits_to_keep=torch.from_numpy(keep).to(device),
+            **{METADATA_KWARG: metadata},
+        )
+        return output.logits[0]
+
+    def _prompt_logprob_chunks(
+        self,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        num_tokens: np.ndarray,
+        first_token: np.ndarray,
+    ) -> list[tuple[int, int, np.ndarray, int]]:
+        """Per chunk that computes prompt positions of a sequence asking for prompt
+        logprobs: (plan index, first prompt index scored, batch rows, top-N).
+
+        The logits at position ``p`` score prompt token ``p + 1``, so a chunk over
+        ``[s, e)`` scores prompt tokens ``s + 1 .. min(e, P - 1)``; the last prompt position's
+        logits are the first sample's, not a prompt logprob.
+        """
+        chunks = []
+        for i in np.flatnonzero(self.slots.prompt_logprobs[slots] >= 0):
+            prompt = self.slots.prompt_token_ids[slots[i]]
+            assert prompt is not None
+            end = min(starts[i] + num_tokens[i], len(prompt) - 1)
+            if end <= starts[i]:
+                continue
+            rows = first_token[i] + np.arange(end - starts[i])
+            chunks.append(
+                (int(i), int(starts[i]) + 1, rows, int(self.slots.prompt_logprobs[slots[i]]))
+            )
+        return chunks
+
+    def _update_block_table(self, plan: StepPlan) -> None:
+        if not len(plan.block_ids):
+            return
+        table = self.slots.block_table
+        slots, indices, ids = (
+            plan.block_slots.numpy(),
+            plan.block_indices.numpy(),
+            plan.block_ids.numpy(),
+        )
+        if not len(slots) == len(indices) == len(ids):
+            raise ValueError("block_slots, block_indices and block_ids differ in length")
+        # Checked on the host: a bad index on a GPU is a device assert that ends the process.
+        if slots.min() < 0 or slots.max() >= table.shape[0]:
+            raise ValueError("block table update names a slot out of range")
+        if indices.min() < 0 or indices.max() >= table.shape[1]:
+            raise ValueError(f"block index out of range [0, {table.shape[1]})")
+        if ids.min() < 0 or ids.max() >= self.num_blocks:
+            raise ValueError(f"block id out of range [0, {self.num_blocks})")
+        table[slots, indices] = ids
+
+    def _check_plan(
+        self,
+        plan: StepPlan,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        num_tokens: np.ndarray,
+        sample: np.ndarray,
+        seq_ids: np.ndarray,
+    ) -> None:
+        n = len(slots)
+        if not len(starts) == len(num_tokens) == len(sample) == len(seq_ids) == n:
+            raise ValueError("plan arrays differ in length")
+        if len(plan.token_ids) != int(num_tokens.sum()):
+            raise ValueError(
+                f"plan has {len(plan.token_ids)} token ids for {num_tokens.sum()} tokens"
+            )
+        if n and (slots.min() < 0 or slots.max() >= self.slots.num_slots):
+            raise ValueError(f"slot out of range [0, {self.slots.num_slots})")
+        if n and (num_tokens.min() < 1 or starts.min() < 0):
+            raise ValueError("every scheduled sequence needs >= 1 token at a position >= 0")
+        if n and (starts + num_tokens).max() > self.max_model_len:
+            raise ValueError(f"a sequence exceeds max_model_len {self.max_model_len}")
+        if n and (self.slots.seq_id[slots] != seq_ids).any():
+            raise ValueError("a scheduled sequence is not the one its slot was started for")

@@ -1,0 +1,214 @@
+"""Load a Hugging Face causal LM for paged execution and check that it fits the design.
+
+The model code stays upstream's: only the attention implementation is swapped for
+:data:`~mpengine.executor.attention.ATTENTION_NAME`. What the paged path cannot reproduce
+exactly is rejected here, at start-up, with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+
+from mpengine.config import EngineConfig
+from mpengine.executor.attention import ATTENTION_NAME, register_attention
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# RoPE variants that choose their frequencies from max(position_ids): in a flattened batch
+# that is the largest position of any request, not of the request itself.
+_POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model ready for paged execution, with the geometry the KV cache needs."""
+
+    model: torch.nn.Module
+    path: str
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def resolve_model_path(name: str) -> str:
+    """A local model directory for ``name``: built-in tiny names are built on first use."""
+    try:
+        from mpengine.testing.tiny import resolve_model
+    except ImportError:  # the builder is optional; a plain directory needs none
+        return name
+    return resolve_model(name)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on the CPU (exact and fast enough there); the checkpoint's dtype on
+    a GPU, bfloat16 when the checkpoint is float32 or says nothing."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = _DTYPES.get(stored)
+    return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Load ``config.model`` with the paged attention function and validate it."""
+    path = resolve_model_path(config.model)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    hf_config = AutoConfig.from_pretrained(path)
+    text_config = hf_config.get_text_config()
+    _reject_unsupported(hf_config)
+    max_model_len = _max_model_len(config, text_config)
+    _check_rope(text_config, max_model_len)
+    _check_sliding_window(text_config, max_model_len)
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, text_config, device)
+    register_attention()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation=ATTENTION_NAME, dtype=dtype
+    )
+    model.to(device).eval()
+
+    num_heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    logger.info(
+        "loaded %s (%s) on %s as %s, max_model_len %d",
+        path,
+        type(model).__name__,
+        device,
+        dtype,
+        max_model_len,
+    )
+    return LoadedModel(
+        model=model,
+        path=path,
+        device=device,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        eos_token_ids=_eos_token_ids(path, text_config),
+        num_layers=text_config.num_hidden_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+
+
+def _reject_unsupported(hf_config: PretrainedConfig) -> None:
+    """Only decoder-only causal LMs: the checkpoint's architecture must be a causal LM head
+    (a ``BertModel`` checkpoint has a causal-LM class in transformers, but is an encoder)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = hf_config.model_type
+    if getattr(hf_config, "is_encoder_decoder", False):
+        raise NotImplementedError(f"encoder-decoder models ({model_type}) are not supported")
+    architectures = getattr(hf_config, "architectures", None) or []
+    causal_heads = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    is_causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
+        not architectures or any(arch in causal_heads for arch in architectures)
+    )
+    if not is_causal:
+        raise NotImplementedError(
+            f"{model_type!r} ({', '.join(architectures) or 'no architecture'}) is not a causal "
+            "language model: encoder (pooling) models are not supported by the executor yet"
+        )
+
+
+def _max_model_len(config: EngineConfig, text_config: PretrainedConfig) -> int:
+    supported = getattr(text_config, "max_position_embeddings", None) or getattr(
+        text_config, "n_positions", None
+    )
+    if config.max_model_len is None:
+        if supported is None:
+            raise ValueError("the model states no maximum length: set max_model_len")
+        return int(supported)
+    if supported is not None and config.max_model_len > supported:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's maximum of {supported}"
+        )
+    return config.max_model_len
+
+
+def _rope_types(text_config: PretrainedConfig) -> list[tuple[str, dict]]:
+    """(rope_type, parameters) for every RoPE configuration of the model (several when
+    layer types have their own)."""
+    params = getattr(text_config, "rope_parameters", None) or getattr(
+        text_config, "rope_scaling", None
+    )
+    if not isinstance(params, dict):
+        return []
+    if "rope_type" in params or "type" in params:
+        return [(str(params.get("rope_type", params.get("type"))), params)]
+    return [
+        (str(p.get("rope_type", p.get("type"))), p) for p in params.values() if isinstance(p, dict)
+    ]
+
+
+def _check_rope(text_config: PretrainedConfig, max_model_len: int) -> None:
+    """Position-dependent RoPE matches a per-request computation only while no position
+    exceeds the original context, where both variants keep their unscaled frequencies
+    (dynamic NTK grows past ``max_position_embeddings``, longrope switches to its long
+    factors past ``original_max_position_embeddings``)."""
+    for rope_type, params in _rope_types(text_config):
+        if not any(kind in rope_type for kind in _POSITION_DEPENDENT_ROPE):
+            continue
+        original = params.get("original_max_position_embeddings") or getattr(
+            text_config, "original_max_position_embeddings", None
+        )
+        if original is None and "dynamic" in rope_type:
+            original = getattr(text_config, "max_position_embeddings", None)
+        if original is None or max_model_len > original:
+            raise NotImplementedError(
+                f"RoPE type {rope_type!r} picks its frequencies from the longest position in "
+                f"the batch; set max_model_len <= {original} (the original context) to use it"
+            )
+
+
+def _check_sliding_window(text_config: PretrainedConfig, max_model_len: int) -> None:
+    """A window at least as long as the model never binds; shorter ones are not implemented."""
+    window = getattr(text_config, "sliding_window", None)
+    if window is None or window >= max_model_len:
+        return
+    layer_types = getattr(text_config, "layer_types", None)
+    # Qwen2-style configs may keep a window while marking every layer full attention.
+    if layer_types and "sliding_attention" not in layer_types:
+        return
+    raise NotImplementedError(
+        f"sliding-window attention (window {window}) is not supported: "
+        f"set max_model_len <= {window}"
+    )
+
+
+def _eos_token_ids(path: str, text_config: PretrainedConfig) -> list[int]:
+    eos: int | list[int] | None = None
+    with contextlib.suppress(OSError):  # no generation_config.json
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    if eos is None:
+        eos = getattr(text_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]

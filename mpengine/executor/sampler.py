@@ -1,0 +1,213 @@
+"""Token sampling over a batch of logits rows, vectorised across rows.
+
+Order of operations (vLLM's): logprobs are taken from the raw logits; then penalties,
+``min_tokens`` suppression, greedy argmax (temperature 0), temperature, min-p, top-k,
+top-p, and a draw. The draw is an exponential race, ``argmax(probs / q)`` with
+``q ~ Exp(1)`` per token, which picks token ``i`` with probability ``probs[i]``; a seeded
+row takes its noise from a generator seeded with that row's own draw seed, so its token
+depends on nothing else in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mpengine.protocol import Array, Logprobs
+
+_MASK64 = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+
+
+@dataclass(slots=True)
+class SamplingRows:
+    """Per-row sampling parameters as host arrays (row = one sequence that samples).
+
+    ``penalty_rows`` index the rows with penalties; ``penalty_tokens[k]`` holds that row's
+    known tokens padded with -1, ``penalty_is_output[k]`` marks the generated ones.
+    ``banned_rows``/``banned_ids`` are (row, token) pairs to suppress (``min_tokens``).
+    """
+
+    temperature: np.ndarray  # float32
+    top_k: np.ndarray  # int64, 0 = off
+    top_p: np.ndarray  # float32, 1 = off
+    min_p: np.ndarray  # float32, 0 = off
+    repetition_penalty: np.ndarray  # float32
+    presence_penalty: np.ndarray  # float32
+    frequency_penalty: np.ndarray  # float32
+    seeded: np.ndarray  # bool
+    draw_seeds: np.ndarray  # int64, the seed of this row's draw (where seeded)
+    logprobs: np.ndarray  # int32, -1 = none, else the number of top alternatives
+    penalty_rows: np.ndarray  # int64 [K]
+    penalty_tokens: np.ndarray  # int64 [K, L]
+    penalty_is_output: np.ndarray  # bool [K, L]
+    banned_rows: np.ndarray  # int64
+    banned_ids: np.ndarray  # int64
+
+    def __post_init__(self) -> None:
+        assert self.penalty_tokens.shape == self.penalty_is_output.shape
+        assert len(self.banned_rows) == len(self.banned_ids)
+
+    def __len__(self) -> int:
+        return len(self.temperature)
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    token_ids: np.ndarray  # int32 [B]
+    logprobs: Logprobs | None  # rows of logprob_rows
+    logprob_rows: np.ndarray  # int32 indexes into the batch rows
+
+
+def draw_seed(seed: np.ndarray, sample_index: np.ndarray, output_index: np.ndarray) -> np.ndarray:
+    """A 63-bit seed per draw from (request seed, sample index, output token index):
+    splitmix64 of a mix of the three, so neighbouring draws get unrelated streams."""
+    with np.errstate(over="ignore"):
+        x = seed.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        x ^= sample_index.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03) + np.uint64(1)
+        x ^= output_index.astype(np.uint64) * np.uint64(0xC2B2AE3D27D4EB4F)
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return ((x & _MASK64) >> np.uint64(1)).astype(np.int64)
+
+
+class Sampler:
+    """Samples one token per logits row; one engine generator serves unseeded rows."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self._row_generator = torch.Generator(device)  # re-seeded for each seeded row
+
+    def sample(self, logits: torch.Tensor, rows: SamplingRows) -> SampleOutput:
+        """``logits`` is ``[B, vocab]`` (any float dtype), aligned with ``rows``."""
+        raw = logits.float()
+        logprob_rows = np.flatnonzero(rows.logprobs >= 0).astype(np.int32)
+        x = raw
+        if len(rows.penalty_rows):
+            x = apply_penalties(x.clone(), rows)
+        if len(rows.banned_rows):
+            x = x.clone() if x is raw else x
+            x[
+                _tensor(rows.banned_rows, self.device), _tensor(rows.banned_ids, self.device)
+            ] = -float("inf")
+        greedy = rows.temperature == 0.0
+        tokens = x.argmax(dim=-1) if greedy.all() else self._draw(x, rows, greedy)
+        token_ids = tokens.to(torch.int32).cpu().numpy()
+        logprobs = None
+        if len(logprob_rows):
+            num_top = int(rows.logprobs[logprob_rows].max())
+            picked = torch.from_numpy(token_ids[logprob_rows]).to(self.device)
+            logprobs = token_logprobs(raw[_tensor(logprob_rows, self.device)], picked, num_top)
+        return SampleOutput(token_ids, logprobs, logprob_rows)
+
+    def _draw(self, x: torch.Tensor, rows: SamplingRows, greedy: np.ndarray) -> torch.Tensor:
+        device = self.device
+        temperature = torch.from_numpy(np.where(greedy, 1.0, rows.temperature).astype(np.float32))
+        x = x / temperature.to(device)[:, None]
+        if (rows.min_p > 0).any():
+            x = apply_min_p(x, _tensor(rows.min_p, device))
+        use_top_k = (rows.top_k > 0) & (rows.top_k < x.shape[1])
+        if (rows.top_p < 1).any():
+            x = apply_top_k_top_p(
+                x, _tensor(np.where(use_top_k, rows.top_k, 0), device), _tensor(rows.top_p, device)
+            )
+        elif use_top_k.any():
+            x = apply_top_k(x, _tensor(np.where(use_top_k, rows.top_k, 0), device))
+        probs = x.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row in np.flatnonzero(rows.seeded & ~greedy):
+            self._row_generator.manual_seed(int(rows.draw_seeds[row]))
+            noise[row].exponential_(generator=self._row_generator)
+        # An exact 0 draw would make 0 / 0 = NaN for a masked token, and argmax picks NaN.
+        sampled = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        if greedy.any():
+            sampled = torch.where(_tensor(greedy, device), x.argmax(dim=-1), sampled)
+        return sampled
+
+
+def apply_penalties(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """Repetition (prompt and output tokens: positive logits divided, negative multiplied),
+    frequency and presence (output tokens only) penalties, in place on the penalised rows."""
+    device = logits.device
+    index = _tensor(rows.penalty_rows, device)
+    tokens = _tensor(rows.penalty_tokens, device)
+    vocab = logits.shape[1]
+    valid = tokens >= 0
+    # Padding (-1) lands in an extra column that is dropped.
+    columns = torch.where(valid, tokens, vocab)
+    is_output = _tensor(rows.penalty_is_output, device) & valid
+    counts = torch.zeros(len(index), vocab + 1, device=device)
+    counts.scatter_add_(1, columns, is_output.float())
+    seen = torch.zeros(len(index), vocab + 1, dtype=torch.bool, device=device)
+    seen.scatter_(1, columns, valid)
+    counts, seen = counts[:, :vocab], seen[:, :vocab]
+
+    sub = logits[index]
+    rep = _tensor(rows.repetition_penalty[rows.penalty_rows], device)[:, None]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = _tensor(rows.frequency_penalty[rows.penalty_rows], device)[:, None]
+    pres = _tensor(rows.presence_penalty[rows.penalty_rows], device)[:, None]
+    sub = sub - freq * counts - pres * (counts > 0).float()
+    logits[index] = sub
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than ``min_p`` times the most likely one."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, -float("inf"))
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's ``top_k`` largest logits (ties at the boundary are kept); 0 = off."""
+    enabled = top_k > 0
+    max_k = int(top_k.max())
+    values = logits.topk(max_k, dim=-1).values
+    kth = values.gather(1, (top_k.clamp(min=1) - 1)[:, None])
+    kth = torch.where(enabled[:, None], kth, -float("inf"))
+    return logits.masked_fill(logits < kth, -float("inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Top-k (0 = off) then top-p over one ascending sort: drop the least likely tokens
+    whose cumulative probability stays within ``1 - top_p`` (the most likely always stays)."""
+    vocab = logits.shape[1]
+    ascending, order = logits.sort(dim=-1)
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k, vocab)
+        kth = ascending.gather(1, (vocab - k)[:, None])
+        ascending = ascending.masked_fill(ascending < kth, -float("inf"))
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1 - top_p)[:, None]
+    drop[:, -1] = False
+    ascending = ascending.masked_fill(drop, -float("inf"))
+    return torch.empty_like(logits).scatter_(1, order, ascending)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:
+    """Log-softmax of ``logits`` rows: the logprob of ``token_ids`` and the top ``num_top``."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids.long()[:, None])[:, 0]
+    top = logprobs.topk(num_top, dim=-1) if num_top else None
+    n = len(token_ids)
+    top_ids = top.indices.to(torch.int32).cpu().numpy() if top else np.zeros((n, 0), np.int32)
+    top_values = top.values.cpu().numpy() if top else np.zeros((n, 0), np.float32)
+    return Logprobs(
+        token_ids=Array.of(token_ids.cpu().numpy(), "int32"),
+        logprobs=Array.of(chosen.cpu().numpy(), "float32"),
+        top_ids=Array.of(top_ids, "int32"),
+        top_logprobs=Array.of(top_values, "float32"),
+    )
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)

@@ -1,0 +1,193 @@
+"""The sampler on synthetic logits: support restrictions, penalties, seeds, logprobs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mpengine.executor.sampler import (
+    Sampler,
+    SamplingRows,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_k_top_p,
+    draw_seed,
+)
+
+VOCAB = 32
+CPU = torch.device("cpu")
+
+
+def rows(batch: int, **fields: object) -> SamplingRows:
+    """Rows with every feature off, then ``fields`` (scalars broadcast to the batch)."""
+    base: dict[str, object] = dict(
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        seeded=False,
+        draw_seeds=0,
+        logprobs=-1,
+    )
+    dtypes = dict(top_k=np.int64, seeded=bool, draw_seeds=np.int64, logprobs=np.int32)
+    base.update({k: v for k, v in fields.items() if k in base})
+    arrays = {
+        k: np.broadcast_to(np.asarray(v, dtypes.get(k, np.float32)), batch).copy()
+        for k, v in base.items()
+    }
+    empty = np.zeros(0, np.int64)
+    return SamplingRows(
+        **arrays,
+        penalty_rows=fields.get("penalty_rows", empty),
+        penalty_tokens=fields.get("penalty_tokens", np.zeros((0, 0), np.int64)),
+        penalty_is_output=fields.get("penalty_is_output", np.zeros((0, 0), bool)),
+        banned_rows=fields.get("banned_rows", empty),
+        banned_ids=fields.get("banned_ids", empty),
+    )
+
+
+def logits(batch: int = 4, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def draws(x: torch.Tensor, r: SamplingRows, n: int = 400) -> set[int]:
+    """Tokens drawn from row 0 over n independent draws."""
+    tokens = Sampler(CPU, seed=0).sample(x[:1].expand(n, -1), _repeat(r, n)).token_ids
+    return set(tokens.tolist())
+
+
+def _repeat(r: SamplingRows, n: int) -> SamplingRows:
+    fields = {
+        k: np.repeat(getattr(r, k)[:1], n)
+        for k in (
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "seeded",
+            "draw_seeds",
+            "logprobs",
+        )
+    }
+    return rows(n, **fields)
+
+
+def test_greedy_is_argmax() -> None:
+    x = logits()
+    out = Sampler(CPU, 0).sample(x, rows(4, temperature=0.0))
+    assert out.token_ids.tolist() == x.argmax(-1).tolist() and out.logprobs is None
+
+
+def test_top_k_keeps_the_k_largest() -> None:
+    x = logits()
+    kept = apply_top_k(x.clone(), torch.tensor([3, 0, 1, 32]))
+    assert set(torch.isfinite(kept[0]).nonzero().flatten().tolist()) == set(
+        x[0].topk(3).indices.tolist()
+    )
+    assert torch.isfinite(kept[1]).all() and torch.isfinite(kept[3]).all()
+    assert torch.isfinite(kept[2]).sum() == 1
+    assert draws(x, rows(1, top_k=3)) == set(x[0].topk(3).indices.tolist())
+
+
+def test_top_p_keeps_the_smallest_nucleus() -> None:
+    x = logits()
+    probs = x.softmax(-1)
+    order = probs[0].argsort(descending=True)
+    nucleus = {}
+    for p in (0.3, 0.7, 0.95):
+        kept = apply_top_k_top_p(x.clone(), torch.zeros(4, dtype=torch.long), torch.full((4,), p))
+        size = int((probs[0][order].cumsum(0) < p).sum()) + 1  # the token that crosses p stays
+        nucleus[p] = set(order[:size].tolist())
+        assert set(torch.isfinite(kept[0]).nonzero().flatten().tolist()) == nucleus[p]
+    assert draws(x, rows(1, top_p=0.7)) <= nucleus[0.7]
+
+
+def test_top_k_and_top_p_combine() -> None:
+    x = logits()
+    kept = apply_top_k_top_p(
+        x.clone(), torch.tensor([2, 2, 0, 0]), torch.tensor([0.999, 1.0, 1.0, 0.999])
+    )
+    assert torch.isfinite(kept[:2]).sum(-1).tolist() == [2, 2]
+    assert torch.isfinite(kept[2]).all()
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    x = logits()
+    probs = x.softmax(-1)
+    kept = apply_min_p(x.clone(), torch.tensor([0.1, 0.0, 0.5, 1.0]))
+    expected = (probs[0] >= 0.1 * probs[0].max()).nonzero().flatten().tolist()
+    assert torch.isfinite(kept[0]).nonzero().flatten().tolist() == expected
+    assert torch.isfinite(kept[1]).all() and torch.isfinite(kept[3]).sum() == 1
+    assert draws(x, rows(1, min_p=0.1)) <= set(expected)
+
+
+def test_penalties_follow_vllm_semantics() -> None:
+    x = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5, 3.0]])
+    # prompt: tokens 0, 1; output: 2, 2, 3
+    tokens = np.array([[0, 1, 2, 2, 3, -1]])
+    is_output = np.array([[False, False, True, True, True, True]])
+    r = rows(
+        1,
+        repetition_penalty=2.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        penalty_rows=np.array([0]),
+        penalty_tokens=tokens,
+        penalty_is_output=is_output,
+    )
+    out = apply_penalties(x.clone(), r)[0].tolist()
+    # repetition on prompt+output (positive / 2, negative * 2), then output-only penalties.
+    assert out == pytest.approx([1.0, -4.0, 0.5 - 0.5 - 0.5, -2.0 - 0.5 - 0.25, 0.5, 3.0])
+
+
+def test_min_tokens_bans_and_logprobs_stay_raw() -> None:
+    x = logits(2)
+    top = int(x[0].argmax())
+    r = rows(
+        2, temperature=0.0, logprobs=[3, -1], banned_rows=np.array([0]), banned_ids=np.array([top])
+    )
+    out = Sampler(CPU, 0).sample(x, r)
+    assert out.token_ids[0] != top and out.token_ids[0] == int(x[0].topk(2).indices[1])
+    assert out.logprob_rows.tolist() == [0]
+    lp = out.logprobs
+    raw = x[0].log_softmax(-1)
+    assert lp.logprobs.numpy()[0] == pytest.approx(float(raw[out.token_ids[0]]), abs=1e-6)
+    assert (
+        lp.top_ids.numpy()[0].tolist() == raw.topk(3).indices.tolist()
+    )  # top includes the banned one
+    np.testing.assert_allclose(lp.top_logprobs.numpy()[0], raw.topk(3).values.numpy(), atol=1e-6)
+
+
+def test_seeded_rows_ignore_the_batch() -> None:
+    x = logits(5)
+    seeds = draw_seed(np.array([7, 7, 7]), np.array([0, 1, 0]), np.array([3, 3, 4]))
+    assert len(set(seeds.tolist())) == 3 and (seeds >= 0).all()
+    solo = Sampler(CPU, 1).sample(x[2:3], rows(1, seeded=True, draw_seeds=seeds[0])).token_ids[0]
+    batch = rows(5, seeded=[False, False, True, False, False], draw_seeds=[0, 0, seeds[0], 0, 0])
+    for engine_seed in range(5):
+        assert Sampler(CPU, engine_seed).sample(x, batch).token_ids[2] == solo
+    # Different draw seeds over many rows give different tokens (high temperature: near uniform).
+    spread = rows(
+        64,
+        temperature=50.0,
+        seeded=True,
+        draw_seeds=draw_seed(np.full(64, 7), np.arange(64), np.zeros(64)),
+    )
+    assert len(set(Sampler(CPU, 0).sample(x[:1].expand(64, -1), spread).token_ids.tolist())) > 10
+
+
+def test_temperature_sampling_follows_the_distribution() -> None:
+    x = torch.tensor([[0.0, np.log(3.0), -30.0, -30.0]])
+    n = 4000
+    r = rows(n, temperature=1.0)
+    tokens = Sampler(CPU, 3).sample(x.expand(n, -1), r).token_ids
+    share = (tokens == 1).mean()
+    assert 0.72 < share < 0.78 and set(tokens.tolist()) <= {0, 1}
