@@ -88,11 +88,10 @@ def test_stream_deltas_add_up_and_multibyte_text_is_whole(client):
     assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
     assert "".join(d.text for d in deltas) == final.text
     assert [t for d in deltas for t in d.token_ids] == final.token_ids
+    # Had a delta emitted U+FFFD for a character whose bytes were still arriving, the
+    # concatenated stream would differ from decoding all the ids at once.
     decoded = client._tokenizer.decode(final.token_ids, skip_special_tokens=True)
     assert final.text == decoded
-    # A delta never ends in half a character that a later token completes.
-    for d in deltas[:-1]:
-        assert not d.text.endswith("\ufffd") or final.text.endswith("\ufffd")
 
 
 def test_logprobs_returned(client):
