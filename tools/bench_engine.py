@@ -31,7 +31,13 @@ def prompts(n: int) -> list[str]:
 
 
 def run_one(model: str, name: str, args: argparse.Namespace) -> dict:
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=args.logprobs,
+        stop=args.stop,
+    )
     batch = prompts(args.num_requests)
     engine = mpengine.launch(model=model, **CONFIGS[name], **args.engine)
     with engine, engine.client() as client:
@@ -41,7 +47,9 @@ def run_one(model: str, name: str, args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             outs = client.generate_many(batch, params)
             times.append(time.perf_counter() - start)
-            assert sum(len(o.token_ids) for o in outs) == len(batch) * args.max_tokens
+            assert sum(len(o.token_ids) for o in outs) == len(batch) * args.max_tokens, (
+                "a stop string matched: every run must generate the same number of tokens"
+            )
         stats = client.stats()
     median = statistics.median(times)
     num_tokens = len(batch) * args.max_tokens
@@ -63,6 +71,18 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="top-N logprobs per token (output-processing heavy)",
+    )
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="a stop string that never matches (output-processing heavy)",
+    )
     parser.add_argument(
         "--num-threads",
         type=int,
