@@ -129,8 +129,12 @@ def _logprob_dicts(lp) -> list[dict[int, float]]:
 class _Assembly:
     """Accumulates a request's deltas into a RequestOutput."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], n: int) -> None:
-        self.output = RequestOutput(request_id, prompt_ids, [CompletionOutput(i) for i in range(n)])
+    def __init__(self, request: AddRequest) -> None:
+        assert request.sampling is not None
+        n = request.sampling.n
+        prompt_ids = request.prompt_token_ids.numpy().tolist()
+        samples = [CompletionOutput(i) for i in range(n)]
+        self.output = RequestOutput(request.request_id, prompt_ids, samples)
         self.num_open = n
 
     def add(self, delta: OutputDelta) -> RequestOutput:
@@ -141,7 +145,9 @@ class _Assembly:
         out.token_ids += new.token_ids
         if delta.logprobs is not None:
             new.logprobs = _logprob_dicts(delta.logprobs)
-            out.logprobs = (out.logprobs or []) + new.logprobs
+            if out.logprobs is None:
+                out.logprobs = []
+            out.logprobs += new.logprobs
         if delta.prompt_logprobs is not None:
             self.output.prompt_logprobs = [None, *_logprob_dicts(delta.prompt_logprobs)]
         if delta.finish_reason is not None:
@@ -385,9 +391,7 @@ class _Handle:
         self.conn = conn
         self.request_id = request.request_id
         self.items: queue.SimpleQueue = queue.SimpleQueue()
-        assert request.sampling is not None
-        prompt_ids = request.prompt_token_ids.numpy().tolist()
-        self.assembly = _Assembly(request.request_id, prompt_ids, request.sampling.n)
+        self.assembly = _Assembly(request)
         conn.submit(request, self.items.put)
 
     @property
@@ -501,7 +505,7 @@ class AsyncClient(_ClientBase):
     ) -> AsyncIterator[RequestOutput]:
         """Yield each delta as the engine produces it; leaving early aborts the request."""
         request = self._request(prompt, params, request_id)
-        async for delta in self._run(request, self._assembly(request)):
+        async for delta in self._run(request, _Assembly(request)):
             yield delta
 
     async def generate(
@@ -513,16 +517,10 @@ class AsyncClient(_ClientBase):
     ) -> RequestOutput:
         """Run one request to completion."""
         request = self._request(prompt, params, request_id)
-        assembly = self._assembly(request)
+        assembly = _Assembly(request)
         async for _ in self._run(request, assembly):
             pass
         return assembly.output
-
-    @staticmethod
-    def _assembly(request: AddRequest) -> _Assembly:
-        assert request.sampling is not None
-        prompt_ids = request.prompt_token_ids.numpy().tolist()
-        return _Assembly(request.request_id, prompt_ids, request.sampling.n)
 
     async def _run(self, request: AddRequest, assembly: _Assembly) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()

@@ -125,7 +125,6 @@ class Engine:
         request_address, output_address = _addresses(config, self.runtime_dir)
         self.wiring = Wiring(request_address, output_address)
         self.processes: dict[str, StageProcess] = {}
-        self._conns: dict[str, Connection] = {}
         try:
             if config.runtime == "processes":
                 self.wiring = self._create_segments()
@@ -146,12 +145,12 @@ class Engine:
 
     def _create_segments(self) -> Wiring:
         engine_id, size = self.config.engine_id, self.config.ring_bytes
-        rings = {
-            purpose: Ring.create(engine_id, purpose, size if purpose != "announce" else MiB)
-            for purpose in ("plan", "result", "feedback", "announce")
-        }
+        rings = {}
+        for purpose in ("plan", "result", "feedback", "announce"):
+            rings[purpose] = Ring.create(engine_id, purpose, MiB if purpose == "announce" else size)
+            self._segments.append(rings[purpose])  # tracked at once: unlinked if a later fails
         done = Lockstep.create(engine_id, "done")
-        self._segments = [*rings.values(), done]
+        self._segments.append(done)
         return msgspec.structs.replace(
             self.wiring,
             plan_ring=rings["plan"].name,
@@ -166,7 +165,6 @@ class Engine:
         for stage in stages:
             proc = StageProcess(stage)
             self.processes[stage] = proc
-            self._conns[stage] = proc.conn
             proc.conn.send_bytes(config_bytes)
             proc.conn.send_bytes(wiring_bytes)
 
@@ -178,12 +176,12 @@ class Engine:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise EngineStartError(f"stages not ready in time: {sorted(pending)}")
-            conns = {self._conns[s]: s for s in pending}
+            conns = {self.processes[s].conn: s for s in pending}
             sentinels = {self.processes[s].sentinel: s for s in pending}
             for ready in wait([*conns, *sentinels], remaining):
                 stage = conns.get(ready) or sentinels[ready]
                 try:
-                    msg = decoder.decode(self._conns[stage].recv_bytes())
+                    msg = decoder.decode(self.processes[stage].conn.recv_bytes())
                 except (EOFError, OSError):
                     code = self.processes[stage].exitcode
                     raise EngineStartError(f"{stage} exited during start-up ({code})") from None
@@ -194,8 +192,8 @@ class Engine:
                 if msg.model is not None:
                     self.model = msg.model
                     for other in ("scheduler", "output"):
-                        if other in self._conns:
-                            self._conns[other].send_bytes(encoder.encode(msg.model))
+                        if other in self.processes:
+                            self.processes[other].conn.send_bytes(encoder.encode(msg.model))
                 logger.info("%s ready (pid %d)", stage, msg.pid)
 
     # -- supervise ------------------------------------------------------------------------
@@ -272,7 +270,6 @@ class Engine:
                 proc.join(5.0)
         for proc in procs:
             proc.close()
-        self._conns.clear()
         self.processes.clear()
         for segment in self._segments:
             segment.close()

@@ -74,7 +74,6 @@ class Request:
     max_tokens: int  # capped so prompt + outputs fit max_model_len
     seqs: list[Sequence] = field(default_factory=list)
     announced: bool = False
-    admitted_order: int = -1
 
     @property
     def num_prompt_tokens(self) -> int:

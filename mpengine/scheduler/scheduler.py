@@ -74,9 +74,9 @@ class Scheduler:
         self.next_step = 1
         self.done = 0  # highest step whose feedback was applied
         self._next_seq_id = 0
-        self._admitted = 0
-        self.counters = {"admitted": 0, "finished": 0, "preemptions": 0, "aborted": 0}
-        self.counters["forked_blocks"] = 0
+        self.counters = dict.fromkeys(
+            ("admitted", "finished", "aborted", "preemptions", "forked_blocks"), 0
+        )
 
     # -- requests -------------------------------------------------------------------------
 
@@ -144,6 +144,7 @@ class Scheduler:
                     self._finish(seq)
             aborted.append(request_id)
             self.counters["aborted"] += 1
+        self._release_done()
         if aborted:
             logger.debug("aborted %s", aborted)
             self.announcements.append(AbortRequests(aborted))
@@ -193,7 +194,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            if seq.fork_parent is not None and not self._try_fork(seq, step):
+            if seq.fork_parent is not None and not self._try_fork(seq):
                 index += 1
                 continue
             if not seq.wants_tokens():
@@ -216,7 +217,7 @@ class Scheduler:
 
         # 2. resume preempted, then admit waiting, if nothing had to give way this step
         if not preempted_now:
-            budget = self._admit(step, budget, chunks, starts, block_deltas)
+            budget = self._admit(step, budget, chunks, block_deltas)
 
         # Sequences that got a slot but no chunk yet (or a SeqStart) still need starting.
         for seq, _ in chunks:
@@ -235,7 +236,7 @@ class Scheduler:
                 return victim
         return self.running[index]
 
-    def _admit(self, step: int, budget: int, chunks, starts, block_deltas) -> int:
+    def _admit(self, step: int, budget: int, chunks: list, block_deltas: list) -> int:
         # Resume preempted sequences first (their in-flight tokens must be confirmed: the
         # recompute needs every token id).
         while self.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -267,8 +268,6 @@ class Scheduler:
             if not self.blocks.can_allocate(need + reserve):
                 break
             self.waiting.popleft()
-            request.admitted_order = self._admitted
-            self._admitted += 1
             self.counters["admitted"] += 1
             self._announce(request)
             for seq in request.seqs:
@@ -280,7 +279,7 @@ class Scheduler:
             logger.debug("step %d: admitted %s", step, request.request_id)
         return budget
 
-    def _try_fork(self, seq: Sequence, step: int) -> bool:
+    def _try_fork(self, seq: Sequence) -> bool:
         """A sibling of an n > 1 request starts once its parent's prompt is computed: it
         shares the parent's full prompt blocks and computes only the tail itself."""
         parent = seq.fork_parent
@@ -325,7 +324,13 @@ class Scheduler:
         )
         block_deltas += [(seq.slot, i, b) for i, b in enumerate(seq.block_ids)]
 
-    def _plan(self, step, chunks, starts, block_deltas) -> StepPlan:
+    def _plan(
+        self,
+        step: int,
+        chunks: list[tuple[Sequence, int]],
+        starts: list[SeqStart],
+        block_deltas: list[tuple[int, int, int]],
+    ) -> StepPlan:
         num = len(chunks)
         seq_ids = np.empty(num, np.int64)
         slots = np.empty(num, np.int32)
@@ -418,7 +423,6 @@ class Scheduler:
                 self.waiting.remove(request)
             del self.requests[request.request_id]
             self.counters["finished"] += 1
-        self._release_done()
 
     def _release_done(self) -> None:
         """Free finished sequences' blocks and slots once their last step is output-processed."""
