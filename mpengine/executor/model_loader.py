@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers.utils import logging as hf_logging
 
 from mpengine.config import EngineConfig
 from mpengine.executor.attention import ATTENTION_NAME, register_attention
@@ -87,6 +88,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, text_config, device)
     register_attention()
+    hf_logging.disable_progress_bar()  # the stage logs its own one-line summary
     model = AutoModelForCausalLM.from_pretrained(
         path, attn_implementation=ATTENTION_NAME, dtype=dtype
     )

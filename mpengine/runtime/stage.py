@@ -24,7 +24,7 @@ import setproctitle
 from mpengine.config import EngineConfig
 from mpengine.protocol import ModelInfo, StageFailed, StageReady, Wiring, control_decoder, encoder
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("mpengine.runtime.stage")  # also when run as __main__
 
 PR_SET_PDEATHSIG = 1
 
