@@ -38,7 +38,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: Annotated[int, Meta(ge=1)] | None = None
     seed: int = 0
-    engine_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,16}$")] = ""
+    engine_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_]{0,16}$")] = ""
     address: str | None = None
     max_request_bytes: Annotated[int, Meta(ge=1024)] = 16 * MiB
     ring_bytes: Annotated[int, Meta(ge=64 * 1024)] = 8 * MiB

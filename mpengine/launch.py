@@ -52,6 +52,29 @@ class EngineDeadError(RuntimeError):
     """The engine stopped while requests were in flight."""
 
 
+def sweep_stale_runtime_dirs() -> list[str]:
+    """Remove runtime dirs (``mpengine-<engine id>-<launcher pid>-*``) of dead launchers."""
+    removed = []
+    root = Path(tempfile.gettempdir())
+    for path in root.glob("mpengine-*-*-*"):
+        parts = path.name.split("-")
+        if len(parts) < 4 or not parts[2].isdigit() or _pid_alive(int(parts[2])):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _addresses(config: EngineConfig, runtime_dir: str) -> tuple[str, str]:
     if config.address and config.address.startswith("tcp://"):
         host, port = config.address.rsplit(":", 1)
@@ -118,10 +141,10 @@ class Engine:
         self.stopped = threading.Event()  # set once the stages are gone and cleaned up
         self._death_callbacks: list[Callable[[str], None]] = []
         self._segments: list = []
-        swept = sweep_stale()
+        swept = sweep_stale() + sweep_stale_runtime_dirs()
         if swept:
-            logger.info("removed %d stale shm objects of dead engines", len(swept))
-        self.runtime_dir = tempfile.mkdtemp(prefix=f"mpengine-{config.engine_id}-")
+            logger.info("removed %d stale shm objects and dirs of dead engines", len(swept))
+        self.runtime_dir = tempfile.mkdtemp(prefix=f"mpengine-{config.engine_id}-{os.getpid()}-")
         request_address, output_address = _addresses(config, self.runtime_dir)
         self.wiring = Wiring(request_address, output_address)
         self.processes: dict[str, StageProcess] = {}

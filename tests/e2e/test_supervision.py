@@ -3,15 +3,21 @@
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 import mpengine
+from mpengine.launch import sweep_stale_runtime_dirs
 from mpengine.protocol import SamplingParams
+from shm import sweep_stale
 from tests.e2e.conftest import leftovers
 
 
@@ -68,3 +74,34 @@ def _alive(pid: int) -> bool:
     # A zombie is dead for our purposes; the launcher reaps its children.
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2] != "Z"
+
+
+def test_killed_launcher_takes_its_stages_along_and_the_next_launch_sweeps(tmp_path):
+    """SIGKILL of the launcher: its stages die with it (PR_SET_PDEATHSIG); what it owned in
+    /dev/shm and its runtime dir are removed by the next launch's sweep."""
+    script = (
+        "import json, mpengine, sys\n"
+        "e = mpengine.launch(model='tiny', num_gpu_blocks_override=64, log_level='WARNING')\n"
+        "print(json.dumps({'id': e.config.engine_id, 'pids': e.pids, 'dir': e.runtime_dir}))\n"
+        "sys.stdout.flush()\n"
+        "sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "the launcher did not start"
+        info = json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait(10)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in info["pids"].values()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(_alive(pid) for pid in info["pids"].values()), "stages outlived the launcher"
+    assert leftovers(info["id"]), "the killed launcher had no chance to clean up"
+    sweep_stale()
+    sweep_stale_runtime_dirs()
+    assert leftovers(info["id"]) == []
+    assert not os.path.exists(info["dir"])
