@@ -27,8 +27,8 @@ flag, re-checks the value and sleeps on its semaphore; after each store of the
 value the writer posts the semaphore of every slot whose flag is set. The
 value store and the flag store are separate words, so, exactly as for
 :mod:`shm.ring`, x86 may let both sides miss each other; a sleeper therefore
-re-checks at least every ``WAIT_SLICE_S``, which bounds the cost of a lost
-wake-up.
+re-checks after growing slices (``WAIT_SLICE_S`` up to ``MAX_WAIT_SLICE_S``),
+which bound the cost of a lost wake-up.
 
 **Ordering.** The value is one aligned 8-byte store (never torn). Whatever the
 writer stored before ``advance_to(k)``, such as feedback frames published in a

@@ -64,8 +64,9 @@ available, ``<name>.s``: space available); the spin budget adapts between
 side posts the semaphore if the flag is set. This is Dekker's pattern, and TSO
 *may* let each side's flag or cursor store wait in the store buffer past its
 following load, so both can miss each other: a lost wake-up. It is made
-harmless rather than impossible: a sleeper never waits longer than
-``WAIT_SLICE_S`` before re-checking, so a lost wake-up costs at most that
+harmless rather than impossible: a sleeper re-checks after ``WAIT_SLICE_S``,
+then after slices that double up to ``MAX_WAIT_SLICE_S`` (an idle waiter wakes
+rarely; a busy one re-checks often), so a lost wake-up costs at most one slice
 (``num_missed_wakeups`` counts slices that expired with the wait already over:
 7 of 530k sleeps in a run of the 1M-frame stress test). Surplus posts only
 cause a spurious re-check.
@@ -106,8 +107,11 @@ _WCUR, _SKIP, _RCUR, _CWAIT, _PWAIT = 64, 72, 128, 192, 256
 # budget, one that has to sleep halves it, down to an eighth (6 us, still above a fast hop).
 # Oversubscribed, the adaptive 50 us measured 16-19 us; with free cores it stays at 50 us.
 SPIN_S = 50e-6
-# The longest a sleeper waits before re-checking: bounds the cost of a lost wake-up.
+# How long a sleeper waits before its first re-check, and the most its later slices grow
+# to: they bound the cost of a lost wake-up (small while waits are short, as in a busy
+# pipeline) and the idle cost of re-checking (about 30 wake-ups a second at most).
 WAIT_SLICE_S = 0.002
+MAX_WAIT_SLICE_S = 0.032
 
 
 class Ring:
@@ -392,6 +396,7 @@ def wait_until(
         return -1
     waiter.spin_budget_s = max(budget * 0.5, waiter.spin_s * 0.125)
     flag.value = 1  # from here the other side posts after each publish
+    slice_s = WAIT_SLICE_S
     try:
         while True:
             value = cursor.value
@@ -402,10 +407,11 @@ def wait_until(
                 return -1
             waiter.num_sleeps += 1
             try:
-                sem.acquire(min(remaining, WAIT_SLICE_S))
+                sem.acquire(min(remaining, slice_s))
             except posix_ipc.BusyError:
                 if cursor.value >= target:
                     waiter.num_missed_wakeups += 1
+                slice_s = min(slice_s * 2, MAX_WAIT_SLICE_S)
             except posix_ipc.SignalError:
                 pass  # as PEP 475: the handler has run; re-check, then wait on
     finally:
