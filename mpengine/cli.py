@@ -167,7 +167,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from mpengine.client import Client
 
     with Client(args.address, timeout=args.timeout) as client:
-        print(json.dumps(msgspec.to_builtins(client.stats()), indent=2))
+        stats = client.stats()
+        fields = {name: getattr(stats, name) for name in stats.__struct_fields__}
+        print(json.dumps(fields, indent=2))
     return 0
 
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
 import subprocess
 import sys
 
+import mpengine
 from mpengine.cli import build_parser
 from mpengine.config import EngineConfig
 
@@ -53,3 +57,50 @@ def test_bad_flags_fail_clearly():
     cmd = [sys.executable, "-m", "mpengine.cli", "generate", "--async-depth", "3"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "async_depth" in done.stderr
+
+
+def test_serve_then_connect_and_stats(tmp_path):
+    """``mpengine serve`` in the foreground: clients connect by address, ``mpengine stats``
+    reads its counters, SIGTERM stops it cleanly."""
+    address = f"ipc://{tmp_path}/engine"
+    cmd = [
+        sys.executable,
+        "-m",
+        "mpengine.cli",
+        "serve",
+        "--model",
+        "tiny",
+        "--address",
+        address,
+        "--num-gpu-blocks-override",
+        "64",
+        "--log-level",
+        "WARNING",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "serve printed nothing"
+        line = proc.stdout.readline()
+        assert "serving" in line, line
+        request_address = line.rsplit(" at ", 1)[1].strip()
+        assert request_address == f"{address}/requests.sock"
+        with mpengine.Client(request_address) as client:
+            out = client.generate("hi", mpengine.SamplingParams(max_tokens=3, ignore_eos=True))
+            assert len(out.token_ids) == 3
+        stats = subprocess.run(
+            [sys.executable, "-m", "mpengine.cli", "stats", request_address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert stats.returncode == 0, stats.stderr
+        counters = json.loads(stats.stdout)
+        assert counters["finished"] == 1 and counters["num_blocks"] == 64
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert not os.path.exists(f"{tmp_path}/engine/requests.sock"), "socket file left behind"
