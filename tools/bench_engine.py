@@ -1,9 +1,10 @@
 """Offline generation throughput: the processes runtime against the serial baseline.
 
-For each model and runtime: launch an engine, warm it up, then time ``--repeats`` runs of
-``--num-requests`` prompts x ``--max-tokens`` tokens (ignore_eos, so every run generates
-the same number of tokens) submitted at once; report the median tokens/s and the ratio to
-the serial runtime measured in the same invocation. Prints a table, writes JSON.
+For each model: launch one engine per runtime, warm them up, then time ``--repeats``
+rounds, each running ``--num-requests`` prompts x ``--max-tokens`` tokens (ignore_eos, so
+every run generates the same number of tokens) on every engine in turn; report the median
+tokens/s and the ratio to the serial runtime measured in the same invocation. Prints a
+table, writes JSON.
 
     python tools/bench_engine.py --models tiny small --json bench_engine.json
 """
@@ -30,7 +31,9 @@ def prompts(n: int) -> list[str]:
     return [f"Request {i}: write a few lines about {topics[i % len(topics)]}." for i in range(n)]
 
 
-def run_one(model: str, name: str, args: argparse.Namespace) -> dict:
+def run_model(model: str, args: argparse.Namespace) -> list[dict]:
+    """Every runtime of one model, launched together and timed in interleaved rounds, so
+    drifts of a shared machine hit them alike (an idle engine costs ~1% of a core)."""
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=0.0,
@@ -39,29 +42,43 @@ def run_one(model: str, name: str, args: argparse.Namespace) -> dict:
         stop=args.stop,
     )
     batch = prompts(args.num_requests)
-    engine = mpengine.launch(model=model, **CONFIGS[name], **args.engine)
-    with engine, engine.client() as client:
-        client.generate_many(batch[:8], SamplingParams(max_tokens=8, ignore_eos=True))
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            outs = client.generate_many(batch, params)
-            times.append(time.perf_counter() - start)
-            assert sum(len(o.token_ids) for o in outs) == len(batch) * args.max_tokens, (
-                "a stop string matched: every run must generate the same number of tokens"
-            )
-        stats = client.stats()
-    median = statistics.median(times)
     num_tokens = len(batch) * args.max_tokens
-    return {
-        "model": model,
-        "runtime": name,
-        "num_threads": engine.config.num_threads,
-        "seconds": times,
-        "median_seconds": median,
-        "tokens_per_s": num_tokens / median,
-        "steps_per_run": stats.step / (args.repeats + 1),
+    engines = {
+        name: mpengine.launch(model=model, **CONFIGS[name], **args.engine) for name in args.runtimes
     }
+    clients = {name: engine.client() for name, engine in engines.items()}
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    try:
+        for client in clients.values():
+            client.generate_many(batch[:8], SamplingParams(max_tokens=8, ignore_eos=True))
+        for _ in range(args.repeats):
+            for name, client in clients.items():
+                start = time.perf_counter()
+                outs = client.generate_many(batch, params)
+                times[name].append(time.perf_counter() - start)
+                assert sum(len(o.token_ids) for o in outs) == num_tokens, (
+                    "a stop string matched: every run must generate the same number of tokens"
+                )
+        steps = {name: client.stats().step for name, client in clients.items()}
+    finally:
+        for name in engines:
+            clients[name].close()
+            engines[name].shutdown()
+    rows = []
+    for name, engine in engines.items():
+        median = statistics.median(times[name])
+        rows.append(
+            {
+                "model": model,
+                "runtime": name,
+                "num_threads": engine.config.num_threads,
+                "seconds": times[name],
+                "median_seconds": median,
+                "tokens_per_s": num_tokens / median,
+                "steps_per_run": steps[name] / (args.repeats + 1),
+            }
+        )
+    return rows
 
 
 def main() -> None:
@@ -70,7 +87,7 @@ def main() -> None:
     parser.add_argument("--runtimes", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds")
     parser.add_argument(
         "--logprobs",
         type=int,
@@ -95,10 +112,9 @@ def main() -> None:
 
     rows = []
     for model in args.models:
-        for name in args.runtimes:
-            row = run_one(model, name, args)
+        for row in run_model(model, args):
             rows.append(row)
-            print(f"  {model:6} {name:18} {row['tokens_per_s']:9.1f} tok/s", flush=True)
+            print(f"  {model:6} {row['runtime']:18} {row['tokens_per_s']:9.1f} tok/s", flush=True)
     baseline = {r["model"]: r["tokens_per_s"] for r in rows if r["runtime"] == "serial"}
     print()
     print(f"{'model':8}{'runtime':20}{'threads':>8}{'median s':>10}{'tok/s':>10}{'vs serial':>11}")
