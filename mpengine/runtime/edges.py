@@ -79,14 +79,16 @@ class Edge:
                 return False
             raise
 
-    def reply_error(self, client_id: bytes, frame: bytes, exc: Exception | str) -> None:
+    def reply_error(
+        self, client_id: bytes, frame: bytes, exc: Exception | str, kind: str = "too_large"
+    ) -> None:
         """Answer a request that could not be taken; name it if its id can be read."""
         try:
             request_id = msgspec.msgpack.decode(frame, type=RequestHeader).request_id
         except (msgspec.DecodeError, msgspec.ValidationError):
             request_id = ""
         if isinstance(exc, str):
-            message, kind = exc, "too_large"
+            message = exc
         else:
             message, kind = describe_error(exc, AddRequest), "invalid"
         logger.info("rejected request %r: %s", request_id, message)

@@ -54,10 +54,17 @@ class FrontDoor:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.edge.reply_error(client_id, frame, exc)
             return
+        try:
+            client = client_id.decode()
+        except UnicodeDecodeError:
+            # Outputs are routed by this id from the output processor: it must be text.
+            message = "the client's routing id must be UTF-8 text (set zmq.ROUTING_ID)"
+            self.edge.reply_error(client_id, frame, message, "invalid")
+            return
         match msg:
             case AddRequest():
                 try:
-                    self.scheduler.add_request(msg, client_id.decode())
+                    self.scheduler.add_request(msg, client)
                 except RequestRejected as exc:
                     reply = RequestError(msg.request_id, str(exc), exc.kind)  # type: ignore[arg-type]
                     self.edge.send(client_id, encoder.encode(reply))

@@ -205,6 +205,7 @@ def test_abort_unknown_id_and_garbage_frames_are_harmless(engine, client):
     try:
         raw = ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.ROUTING_ID, b"\xff\xfe-not-utf8")
         raw.connect(engine.address)
         raw.send(b"\x00garbage\xff")
         assert raw.poll(5000), "the engine answers a garbage frame with an error"
@@ -218,6 +219,11 @@ def test_abort_unknown_id_and_garbage_frames_are_harmless(engine, client):
         assert (
             reply[0] == "RequestError" and reply[1] == "too-big" and "max_request_bytes" in reply[2]
         )
+        # A routing id that is not text: outputs could not be routed by it.
+        raw.send(encoder.encode(AddRequest("anon", Array.of([1, 2]), SamplingParams())))
+        assert raw.poll(5000)
+        reply = msgspec.msgpack.decode(raw.recv())
+        assert reply[0] == "RequestError" and reply[1] == "anon" and "routing id" in reply[2]
     finally:
         ctx.destroy(linger=0)
     with pytest.raises(mpengine.InvalidRequestError, match="max_request_bytes"):
