@@ -38,6 +38,7 @@ from mpengine.protocol import (
     encoder,
 )
 from shm import Lockstep, Ring, sweep_stale
+from shm.segment import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -58,21 +59,11 @@ def sweep_stale_runtime_dirs() -> list[str]:
     root = Path(tempfile.gettempdir())
     for path in root.glob("mpengine-*-*-*"):
         parts = path.name.split("-")
-        if len(parts) < 4 or not parts[2].isdigit() or _pid_alive(int(parts[2])):
+        if len(parts) < 4 or not parts[2].isdigit() or pid_alive(int(parts[2])):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(str(path))
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _addresses(config: EngineConfig, runtime_dir: str) -> tuple[str, str]:

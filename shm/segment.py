@@ -215,7 +215,8 @@ def _pid_started_after(pid: int, mtime: float) -> bool:
     return started > mtime + 1.0  # btime has 1 s resolution
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (any owner)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -246,7 +247,7 @@ def sweep_stale(prefix: str = PREFIX) -> list[str]:
         pid = owner_pid(base)
         if not base.startswith(prefix) or pid is None:
             continue
-        if _pid_alive(pid):
+        if pid_alive(pid):
             try:
                 mtime = os.stat(os.path.join(SHM_DIR, entry)).st_mtime
             except FileNotFoundError:
