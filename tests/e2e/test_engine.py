@@ -4,6 +4,7 @@ streaming, aborts, disconnects and bad input."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import select
 import subprocess
 import sys
@@ -67,9 +68,13 @@ def test_stop_string_across_token_boundary(client):
     free = client.generate(PROMPT, params)
     tokenizer = client._tokenizer
     pieces = [tokenizer.decode([t]) for t in free.token_ids]
-    # A stop string made of the end of token 3 and the start of token 4.
-    k = next(i for i in range(2, len(pieces) - 1) if len(pieces[i]) >= 2 and pieces[i + 1])
-    stop = pieces[k][-2:] + pieces[k + 1][:1]
+    # A stop string made of the end of one token's text and the start of the next one's
+    # (whole characters on both sides, present in the text).
+    stop = next(
+        a[-2:] + b[:1]
+        for a, b in itertools.pairwise(pieces[2:])
+        if len(a) >= 2 and b and "\ufffd" not in a[-2:] + b[:1] and a[-2:] + b[:1] in free.text
+    )
     cut = free.text.index(stop)
     out = client.generate(PROMPT, msgspec.structs.replace(params, stop=[stop]))
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
