@@ -422,6 +422,7 @@ class Scheduler:
             if request in self.waiting:
                 self.waiting.remove(request)
             del self.requests[request.request_id]
+            request.seqs = []  # no request <-> sequence cycle left for the GC to find
             self.counters["finished"] += 1
 
     def _release_done(self) -> None:
@@ -436,6 +437,7 @@ class Scheduler:
             if seq.slot >= 0:
                 self.free_slots.append(seq.slot)
                 seq.slot = -1
+            seq.fork_parent = None
             del self.seqs[seq.seq_id]
         self.pending_release = keep
 
