@@ -20,6 +20,7 @@ import time
 
 import mpengine
 from mpengine import SamplingParams
+from mpengine.testing.engine import wait_idle
 
 
 def rss_mib(pid: int) -> float:
@@ -28,18 +29,6 @@ def rss_mib(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return 0.0
-
-
-def wait_idle(client: mpengine.Client, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = client.stats()
-        busy = stats.num_running + stats.num_waiting + stats.num_preempted
-        if busy == 0 and stats.done == stats.step:
-            return stats
-        if time.monotonic() > deadline:
-            raise SystemExit(f"engine not idle after {timeout} s: {stats}")
-        time.sleep(0.01)
 
 
 def one_round(client: mpengine.Client, rng: random.Random, num_requests: int) -> None:
@@ -89,7 +78,7 @@ def main() -> None:
         for round_index in range(args.rounds):
             start = time.perf_counter()
             one_round(client, rng, args.requests)
-            stats = wait_idle(client)
+            stats = wait_idle(client, timeout=30.0)
             row = {
                 "round": round_index,
                 "seconds": time.perf_counter() - start,

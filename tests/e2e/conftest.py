@@ -37,19 +37,3 @@ def start_engine() -> Iterator[Callable[..., mpengine.Engine]]:
         if os.path.exists(engine.runtime_dir):
             problems.append(f"runtime dir left behind: {engine.runtime_dir}")
     assert not problems, problems
-
-
-def wait_idle(client: mpengine.Client, timeout: float = 10.0):
-    """Poll the scheduler's stats until it has no request and no step in flight; return them.
-    (Blocks of a finished request are freed once its last planned step is processed.)"""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = client.stats()
-        busy = stats.num_running + stats.num_waiting + stats.num_preempted
-        if busy == 0 and stats.done == stats.step:
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"engine not idle after {timeout} s: {stats}")
-        time.sleep(0.01)

@@ -15,7 +15,7 @@ import zmq
 
 import mpengine
 from mpengine.protocol import AddRequest, Array, SamplingParams, encoder
-from tests.e2e.conftest import wait_idle
+from mpengine.testing.engine import wait_idle
 
 PROMPT = "The old lighthouse keeper looked at the sea and said"
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from mpengine.protocol import SamplingParams
+from mpengine.testing.engine import wait_idle
 from mpengine.testing.tiny import resolve_model
-from tests.e2e.conftest import wait_idle
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
