@@ -1,98 +1,172 @@
 """Stop strings over streamed text: matching across token boundaries, and hold-back.
 
-Text reaches a sequence a few characters at a time. A stop string may straddle any number
-of pieces, so each sequence keeps a *window*: the last ``max_len - 1`` characters decoded
-so far (any match that ends in new text starts inside the window or the new text). Only
-``window + new`` is searched, never the whole output.
+Text reaches a sequence a few characters at a time, and a stop string may straddle any number
+of pieces. All stop strings of a request are compiled into one Aho-Corasick automaton: a trie
+of the stop strings whose node for a string ``p`` has a *failure link* to the node of the
+longest proper suffix of ``p`` that is also in the trie. A sequence's state is one node: the
+longest suffix of the text seen so far that is a prefix of some stop string. Each character
+moves it along a trie edge, following failure links first while none fits. Every node also
+knows the longest stop string that is a suffix of it (the match ending at that character) and
+the longest suffix of it that is a *proper* prefix of a stop string (what to hold back).
 
-While streaming with ``include_stop_str_in_output=False`` the output is cut *before* the
-stop string, so text that could be the beginning of one is *held back* until it is either
-completed (and dropped) or ruled out (and sent). Only the longest suffix that is a proper
-prefix of some stop string is held, not a fixed ``max_len - 1`` characters as vLLM does,
-so ordinary text streams without delay. With ``include_stop_str_in_output=True`` the cut is
-at the end of the stop string, after anything already sent, so nothing is held.
+While streaming with ``include_stop_str_in_output=False`` the output is cut *before* the stop
+string, so text that could be the beginning of one is held back until it is either completed
+(and dropped) or ruled out (and sent). Only the longest suffix that is a proper prefix of some
+stop string is held, not a fixed ``max_len - 1`` characters as vLLM does, so ordinary text
+streams without delay. With ``include_stop_str_in_output=True`` the cut is at the end of the
+stop string, after anything already sent, so nothing is held.
 
-Invariant (no include): the held text is a suffix of the window, and every future match
-starts inside the held text or later, so a delta never carries part of a stop string that
-later completes.
+Invariant (no include): the held text is exactly the longest suffix of the text seen that is
+a proper prefix of a stop string. Any later match starts inside it or later (the part of the
+match before the new text is such a suffix), so a delta never carries part of a stop string
+that later completes, and the cut never falls before the held text.
 
 The stop that ends the text is the one that completes first, as if the text arrived one
-character at a time, so the result does not depend on how the text was split into tokens.
-Per piece the cost is a ``str.find`` per stop string and one regex search over the last
-``max_len - 1`` characters; a piece with no character of any stop string costs one set
-check.
+character at a time (the automaton does exactly that), so the result does not depend on how
+the text was split into tokens; of two ending at the same character the longer wins.
+
+Costs, safe against hostile stop strings (nothing is recursive, nothing is compiled):
+set-up builds the trie and then the failure links breadth-first, O(total length of the stop
+strings) steps and a few machine words per trie node. A piece costs O(len(piece)) automaton
+steps amortised over the stream, at most O(longest stop) more for the depth carried in, plus
+copying the held text (shorter than the longest stop). A piece with no character of any stop
+string while nothing is held costs one set check. A sequence keeps an int and the held text.
 """
 
 from __future__ import annotations
 
-import re
+from array import array
 from dataclasses import dataclass
+
+# A trie edge ``node --char--> child`` that is not a chain edge is keyed ``node << _SHIFT |
+# ord(char)``: code points are below 0x110000 < 2**21.
+_SHIFT = 21
 
 
 @dataclass(slots=True)
 class TextState:
     """A sequence's streaming text state (see the module docstring)."""
 
-    window: str = ""  # the last max_len - 1 characters decoded (held included)
+    node: int = 0  # automaton node: the longest suffix seen that is a prefix of a stop
     held: str = ""  # decoded but not sent: could be the start of a stop string
 
 
-def _prefix_pattern(stop: str) -> str:
-    """A regex matching any non-empty proper prefix of ``stop``: ``a(?:b(?:c)?)?`` for
-    ``abcd`` (nested, so matching is linear in the stop's length)."""
-    pattern = ""
-    for char in reversed(stop[:-1]):
-        pattern = re.escape(char) + (f"(?:{pattern})?" if pattern else "")
-    return pattern
-
-
 class StopStrings:
-    """One request's stop strings and how to cut the text when one matches."""
+    """One request's stop strings and how to cut the text when one matches.
 
-    __slots__ = ("_chars", "_holdback", "_searches", "_window_len", "include_in_output", "stops")
+    Trie nodes are numbered as they are created, so the characters a stop string adds to the
+    trie become consecutive nodes: ``node -> node + 1`` is a *chain* edge stored as one code
+    point per node in ``_chain`` (-1: none). The few other edges, where stop strings branch,
+    live in the dict ``_branch``. That keeps a node at a few machine words (no dict per node)
+    however long or many the stop strings are. ``num_nodes`` and ``build_steps`` (automaton
+    steps taken to build it) show that set-up is linear in the total length of the stops.
+    """
+
+    __slots__ = (
+        "_branch",
+        "_chain",
+        "_chars",
+        "_fail",
+        "_hold",
+        "_match",
+        "build_steps",
+        "include_in_output",
+        "num_nodes",
+        "stops",
+    )
 
     def __init__(self, stops: tuple[str, ...], include_in_output: bool = False) -> None:
         if not all(stops):
             raise ValueError("stop strings must be non-empty")
         self.stops = stops
         self.include_in_output = include_in_output
-        self._window_len = max((len(s) for s in stops), default=1) - 1
         self._chars = frozenset("".join(stops))
-        # (stop, how far before the new text a match of it can start)
-        self._searches = [(stop, len(stop) - 1) for stop in stops]
-        prefixes = [_prefix_pattern(s) for s in stops if len(s) > 1]
-        # Leftmost match = longest suffix of the text that is a proper prefix of a stop.
-        self._holdback = (
-            re.compile(f"(?:{'|'.join(prefixes)})\\Z", re.DOTALL)
-            if prefixes and not include_in_output
-            else None
-        )
-
-    def find(self, text: str, new_start: int) -> tuple[str, int] | None:
-        """The stop string that completes first in ``text`` after ``new_start``.
-
-        Returns ``(stop, start_index)``. "First" is by where the match ends, as if the text
-        arrived one character at a time, so the result does not depend on how the text was
-        split into tokens; of two matches ending at the same place, the longer wins. (vLLM
-        takes the first stop in list order that occurs in the new text.)
-        """
-        best_end = -1
-        best: tuple[str, int] | None = None
-        for stop, back in self._searches:
-            index = text.find(stop, new_start - back if new_start > back else 0)
-            if index != -1:
-                end = index + back
-                if best is None or end < best_end or (end == best_end and index < best[1]):
-                    best_end, best = end, (stop, index)
-        return best
-
-    def holdback(self, text: str, start: int = 0) -> int:
-        """Length of the longest suffix of ``text[start:]`` that is a proper prefix of a
-        stop string (what must be held back)."""
-        if self._holdback is None:
-            return 0
-        match = self._holdback.search(text, max(start, len(text) - self._window_len))
-        return 0 if match is None else len(text) - match.start()
+        # Per node, indexed by node number (a few machine words each, no object per node):
+        chain = array("i", [-1])  # code point of the chain edge node -> node + 1, or -1
+        match = array("i", [-1])  # index of the longest stop string ending here, or -1
+        hold = array("i", [0])  # length of the longest suffix that is a proper stop prefix
+        # Only while building:
+        parent = array("i", [0])
+        incode = array("i", [-1])  # code point of the edge from the parent
+        depth = array("i", [0])
+        branch: dict[int, int] = {}
+        steps = 0
+        for index, stop in enumerate(stops):
+            node = pos = 0
+            size = len(stop)
+            while pos < size:  # walk the part of the stop already in the trie
+                code = ord(stop[pos])
+                if chain[node] == code:
+                    node += 1
+                else:
+                    child = branch.get(node << _SHIFT | code)
+                    if child is None:
+                        break
+                    node = child
+                pos += 1
+            steps += pos
+            if pos < size:  # the rest becomes consecutive new nodes: bulk array operations
+                new = len(chain)
+                added = size - pos
+                if node == new - 1:  # the newest node has no child yet: extend its chain
+                    chain[node] = ord(stop[pos])
+                else:
+                    branch[node << _SHIFT | ord(stop[pos])] = new
+                top = depth[node]
+                hold[node] = top  # it has a child now; so do all new nodes but the last
+                chain.extend(map(ord, stop[pos + 1 :]))
+                chain.append(-1)
+                incode.extend(map(ord, stop[pos:]))
+                parent.append(node)
+                parent.extend(range(new, new + added - 1))
+                depth.extend(range(top + 1, top + added + 1))
+                hold.extend(range(top + 1, top + added))
+                hold.append(-1)  # a leaf: from its failure target, below
+                match.extend(array("i", [-1]) * added)
+                node = new + added - 1
+                steps += added
+            if match[node] < 0:  # its own string: the longest stop that can end here
+                match[node] = index
+        count = len(chain)
+        fail = array("i", bytes(4 * count))  # the root and its children fail to the root
+        # By depth, so a node's failure target and every node on the failure path walked to
+        # find it (all shallower) are done before it. The walk is amortised: along each stop
+        # string a failure link is at most one deeper than its parent's and each step down the
+        # failure path makes it shallower, so the walks for one stop string take at most twice
+        # its length in steps (``build_steps`` counts them). Sorting is cheap: each stop
+        # string's new nodes are an ascending run of depths.
+        for child in sorted(range(1, count), key=depth.__getitem__):
+            target = 0
+            up = parent[child]
+            if up:
+                code = incode[child]
+                node = fail[up]
+                while True:
+                    steps += 1
+                    if chain[node] == code:
+                        target = node + 1
+                        break
+                    found = branch.get(node << _SHIFT | code)
+                    if found is not None:
+                        target = found
+                        break
+                    if not node:
+                        break
+                    node = fail[node]
+                fail[child] = target
+            # Otherwise the longest stop ending here, or suffix held, is its failure
+            # target's (the longest proper suffix of it in the trie).
+            if match[child] < 0:
+                match[child] = match[target]
+            if hold[child] < 0:
+                hold[child] = hold[target]
+        self._chain = chain
+        self._branch = branch
+        self._fail = fail
+        self._match = match
+        self._hold = hold
+        self.num_nodes = count
+        self.build_steps = steps
 
     def scan(self, state: TextState, new_text: str, search: bool) -> tuple[str, str | None]:
         """Add ``new_text``; return ``(text to send now, matched stop string or None)``.
@@ -100,29 +174,58 @@ class StopStrings:
         With ``search=False`` (still inside ``min_tokens``) no match is reported, but text
         is still held back. After a match the state is spent: the sequence is finished.
         """
-        if not state.held and self._chars.isdisjoint(new_text):
-            # No stop string can end in, start in or run through this text.
-            state.window = ""
+        held = state.held
+        if not held and self._chars.isdisjoint(new_text):
+            # No stop string can end in, start in or run through this text, and a character
+            # of none of them sends the automaton back to the root.
+            state.node = 0
             return new_text, None
-        window = state.window
-        buf = window + new_text
-        emit_from = len(window) - len(state.held)
-        if search:
-            hit = self.find(buf, len(window))
-            if hit is not None:
-                stop, index = hit
-                end = index + len(stop) if self.include_in_output else index
-                state.window = state.held = ""
-                return buf[emit_from : max(end, emit_from)], stop
-        # A held suffix starts inside the old held text or later (see the invariant).
-        cut = len(buf) - self.holdback(buf, emit_from)
-        state.held = buf[cut:]
-        keep = self._window_len
-        state.window = buf[len(buf) - keep :] if len(buf) > keep else buf
-        return buf[emit_from:cut], None
+        chain = self._chain
+        branch = self._branch
+        fail = self._fail
+        match = self._match
+        node = state.node
+        for index, code in enumerate(map(ord, new_text)):
+            # Follow failure links until an edge fits (or the root has none for this char).
+            while chain[node] != code:
+                found = branch.get(node << _SHIFT | code)
+                if found is not None:
+                    node = found
+                    break
+                if not node:
+                    break
+                node = fail[node]
+            else:
+                node += 1
+            if search and match[node] >= 0:
+                stop = self.stops[match[node]]
+                state.node = 0
+                state.held = ""
+                end = index + 1
+                if self.include_in_output:
+                    return new_text[:end], stop  # nothing is held with include
+                # The match starts inside the held text or later (invariant), so cut >= 0.
+                cut = len(held) + end - len(stop)
+                if cut <= len(held):
+                    return held[:cut], stop
+                return held + new_text[: cut - len(held)], stop
+        state.node = node
+        keep = 0 if self.include_in_output else self._hold[node]
+        # keep <= len(held) + len(new_text): see the invariant.
+        if keep == 0:
+            state.held = ""
+            return held + new_text, None
+        cut = len(held) + len(new_text) - keep
+        if cut >= len(held):
+            cut -= len(held)
+            state.held = new_text[cut:]
+            return held + new_text[:cut], None
+        state.held = held[cut:] + new_text
+        return held[:cut], None
 
     def release(self, state: TextState) -> str:
         """The sequence ended for another reason: the held text is final after all."""
         held = state.held
-        state.window = state.held = ""
+        state.node = 0
+        state.held = ""
         return held

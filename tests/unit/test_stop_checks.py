@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -143,3 +144,132 @@ def test_streaming_equals_the_reference_for_any_split(
         assert len(state.held) == (0 if include else longest_held(seen, stops))
     assert want_stop is None
     assert sent + checker.release(state) == text
+
+
+def expected_after(
+    text: str, stops: list[str], include: bool, quiet: int
+) -> tuple[str, str | None]:
+    """``expected`` when the first ``quiet`` characters came with ``search=False``
+    (``min_tokens``): only a match that ends after them counts."""
+    for end in range(quiet + 1, len(text) + 1):
+        done = [s for s in stops if text[:end].endswith(s)]
+        if done:
+            stop = max(done, key=len)
+            return (text[:end] if include else text[: end - len(stop)]), stop
+    return text, None
+
+
+def split(text: str, rng: random.Random, longest: int) -> list[str]:
+    pieces = []
+    while text:
+        size = rng.randint(1, longest)
+        pieces.append(text[:size])
+        text = text[size:]
+    return pieces
+
+
+def check_build_is_linear(stops: StopStrings) -> None:
+    total = sum(map(len, stops.stops))
+    assert stops.num_nodes <= total + 1
+    # Inserting walks each stop string once; the failure-link walks along a stop string
+    # take at most twice its length.
+    assert stops.build_steps <= 3 * total
+
+
+def test_hostile_stop_strings_build_linearly_and_stream_correctly() -> None:
+    # Each of these made the regex implementation recurse too deep or compile for seconds.
+    rng = random.Random(0)
+    many = StopStrings(("x" * 4096, *(f"{i}" * 4096 for i in range(63))))
+    check_build_is_linear(many)
+    text = "y" + "0" * 4200
+    sent, stop = stream(many, split(text, rng, 7))
+    assert ("".join(sent), stop) == expected(text, list(many.stops), False)
+
+    text = "a" * 5000 + "b"
+    for stops in (("a" * 4095 + "b",), ("ab" * 2048,), ("a" * 4095 + "b", "ab" * 2048)):
+        checker = StopStrings(stops)
+        check_build_is_linear(checker)
+        state = TextState()
+        seen = sent_text = ""
+        for piece in split(text, rng, 300):
+            out, stop = checker.scan(state, piece, True)
+            sent_text += out
+            seen += piece
+            if stop is not None:
+                break
+            # The held text is bounded by the longest stop, never the whole output.
+            assert state.held == seen[len(seen) - longest_held(seen, list(stops)) :]
+        if stop is None:
+            sent_text += checker.release(state)
+        assert (sent_text, stop) == expected(text, list(stops), False)
+
+    text = "ab" * 3000
+    checker = StopStrings(("ab" * 2048,))
+    sent, stop = stream(checker, split(text, rng, 50))
+    assert ("".join(sent), stop) == ("", "ab" * 2048)
+    broken = "ab" * 1500 + "b" + "ab" * 2047 + "a"
+    sent, stop = stream(checker, split(broken, rng, 50))
+    assert ("".join(sent), stop) == (broken, None)
+
+
+def test_a_piece_without_stop_characters_breaks_a_partial_match() -> None:
+    # With include nothing is held, so only the automaton remembers the "ab".
+    for include in (False, True):
+        sent, stop = stream(StopStrings(("abc",), include), ["ab", "z", "c", "abc"])
+        assert ("".join(sent), stop) == expected("abzcabc", ["abc"], include)
+
+
+def test_two_thousand_long_stop_strings_build() -> None:
+    rng = random.Random(1)
+    stops = tuple(format(rng.getrandbits(450), "0450b") for _ in range(2000))
+    checker = StopStrings(stops)
+    check_build_is_linear(checker)
+    # "x" is in no stop string, so the first match is the one streamed after it.
+    sent, stop = stream(checker, split("xx" + stops[1234] + "01", rng, 9))
+    assert ("".join(sent), stop) == ("xx", stops[1234])
+
+
+@st.composite
+def stop_cases(draw: st.DrawFn) -> tuple[str, list[str], list[str], int, bool]:
+    letters = draw(st.lists(st.sampled_from("ab\n✓日"), min_size=2, max_size=3, unique=True))
+    alphabet_ = st.sampled_from(letters)
+    stops = draw(st.lists(st.text(alphabet_, min_size=1, max_size=8), min_size=1, max_size=6))
+    text = draw(st.text(alphabet_, max_size=60))
+    cuts = draw(st.lists(st.integers(0, len(text)), max_size=20))
+    bounds = sorted({0, len(text), *cuts})
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    quiet = draw(st.integers(0, len(pieces)))
+    return text, stops, pieces, quiet, draw(st.booleans())
+
+
+@settings(max_examples=600, deadline=None)
+@given(case=stop_cases())
+def test_small_alphabets_match_the_references(
+    case: tuple[str, list[str], list[str], int, bool],
+) -> None:
+    """Few letters make stop strings overlap and share prefixes, exercising failure links;
+    the first ``quiet`` pieces are scanned with ``search=False`` (``min_tokens``)."""
+    text, stops, pieces, quiet, include = case
+    quiet_len = sum(map(len, pieces[:quiet]))
+    want = (
+        expected(text, stops, include)
+        if quiet_len == 0
+        else expected_after(text, stops, include, quiet_len)
+    )
+    checker = StopStrings(tuple(stops), include_in_output=include)
+    state = TextState()
+    sent = seen = ""
+    for number, piece in enumerate(pieces):
+        out, stop = checker.scan(state, piece, search=number >= quiet)
+        sent += out
+        seen += piece
+        assert want[0].startswith(sent)
+        if stop is not None:
+            assert (sent, stop) == want
+            return
+        assert sent + state.held == seen
+        held = 0 if include else longest_held(seen, stops)
+        assert state.held == seen[len(seen) - held :]
+    assert want[1] is None
+    assert sent + checker.release(state) == text
+    assert state.held == ""
