@@ -6,29 +6,47 @@ process), spawns the stages with readable titles (``mpengine: scheduler`` ...), 
 they can serve (model loaded, KV cache sized) and watches them: if one dies, the others are
 stopped, segments and socket files are removed, and every client sees ``EngineDeadError``
 (its sockets disconnect).
+
+Safe on a shared host:
+
+- stages start as ``python -c STAGE_ENTRY``, which drops the caller's cwd from ``sys.path``
+  before any import (a stray ``setproctitle.py`` there must not run in the engine);
+- every stage is spawned from one long-lived thread (``_Spawner``): ``PR_SET_PDEATHSIG``
+  fires when the spawning *thread* exits, so a launch from a short-lived thread would
+  otherwise kill its stages;
+- a configured ``ipc://DIR`` must be this user's private directory (created 0700 when
+  missing), and one engine at a time serves it: the launcher holds ``DIR/engine.lock``
+  (``flock``, dropped by the kernel however the launcher dies);
+- the stale sweeps remove only this user's leftovers of dead launchers of this pid
+  namespace, and never fail a launch.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
+import functools
 import logging
 import os
+import queue
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import msgspec
 
-from mpengine.config import EngineConfig, MiB
+from mpengine.config import EngineConfig
 from mpengine.protocol import (
     ModelInfo,
     StageFailed,
@@ -38,15 +56,28 @@ from mpengine.protocol import (
     encoder,
 )
 from shm import Lockstep, Ring, sweep_stale
-from shm.segment import pid_alive
+from shm.segment import pid_alive, pid_namespace
 
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0
+LOCK_NAME = "engine.lock"
+
+# What each stage runs (``python -c STAGE_ENTRY STAGE FD PPID``). ``-c`` and ``-m`` put the
+# caller's cwd first on sys.path, where a stray ``setproctitle.py`` or ``msgspec.py`` would
+# shadow the real module in every stage: drop it before the first import. (``-P`` does the
+# same, but only from Python 3.11 on; under PYTHONSAFEPATH there is no such entry.)
+STAGE_ENTRY = (
+    "import sys\n"
+    "if sys.path and sys.path[0] == '':\n"
+    "    del sys.path[0]\n"
+    "from mpengine.runtime.stage import main\n"
+    "main()\n"
+)
 
 
 class EngineStartError(RuntimeError):
-    pass
+    """The engine could not start: a stage failed, or its address is unsafe or in use."""
 
 
 class EngineDeadError(RuntimeError):
@@ -54,29 +85,137 @@ class EngineDeadError(RuntimeError):
 
 
 def sweep_stale_runtime_dirs() -> list[str]:
-    """Remove runtime dirs (``mpengine-<engine id>-<launcher pid>-*``) of dead launchers."""
+    """Remove runtime dirs (``mpengine-<engine id>-<launcher pid>-<pid ns>-*`` in the temp
+    dir) that dead launchers of this user and this pid namespace left behind.
+
+    Another user's dirs are not ours to judge, and a pid of another namespace means nothing
+    here. A dir that cannot be inspected or removed is logged and left: this never raises.
+    """
     removed = []
-    root = Path(tempfile.gettempdir())
-    for path in root.glob("mpengine-*-*-*"):
+    for path in Path(tempfile.gettempdir()).glob("mpengine-*-*-*-*"):
         parts = path.name.split("-")
-        if len(parts) < 4 or not parts[2].isdigit() or pid_alive(int(parts[2])):
+        if not parts[2].isdigit() or parts[3] != pid_namespace():
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+            st = path.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            if pid_alive(int(parts[2])):
+                continue
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        except OSError as exc:
+            logger.warning("stale sweep: left %s: %s", path, exc)
+            continue
         removed.append(str(path))
     return removed
 
 
-def _addresses(config: EngineConfig, runtime_dir: str) -> tuple[str, str]:
-    if config.address and config.address.startswith("tcp://"):
-        host, port = config.address.rsplit(":", 1)
-        return f"{host}:{port}", f"{host}:{int(port) + 1}"
-    base = config.address[len("ipc://") :] if config.address else runtime_dir
-    os.makedirs(base, mode=0o700, exist_ok=True)
-    return f"ipc://{base}/requests.sock", f"ipc://{base}/outputs.sock"
+def private_dir(path: str) -> str:
+    """``path`` (normalised) as a directory only this user can change; created with mode
+    0700 when missing.
+
+    Raises EngineStartError when it is a symlink, not a directory, owned by another user,
+    or group/world-writable: whoever can write there can swap the engine's sockets and read
+    every prompt.
+    """
+    path = os.path.normpath(path)
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    euid = os.geteuid()
+    problem = None
+    if stat.S_ISLNK(st.st_mode):
+        problem = "is a symlink"
+    elif not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory"
+    elif st.st_uid != euid:
+        problem = f"is owned by uid {st.st_uid}, not by this user (uid {euid})"
+    elif st.st_mode & 0o022:
+        problem = f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})"
+    if problem:
+        raise EngineStartError(
+            f"refusing ipc directory {path}: it {problem}; another user could swap the "
+            "engine's sockets. Use a directory of your own with mode 0700."
+        )
+    return path
+
+
+def lock_dir(directory: str) -> int:
+    """Take ``DIR/engine.lock`` (an exclusive ``flock``) and return its fd: one engine per
+    ipc directory, so that a second one cannot rebind (and later delete) the first's sockets.
+
+    The kernel drops the lock when the fd closes, however the launcher dies. The file is
+    never removed: unlinking it would let two launchers lock two different files.
+    """
+    path = os.path.join(directory, LOCK_NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise EngineStartError(
+            f"address ipc://{directory} is in use: another engine serves it (it holds {path})"
+        ) from None
+    return fd
+
+
+_Job = tuple[Callable[[], subprocess.Popen[bytes]], Future[subprocess.Popen[bytes]]]
+
+
+class _Spawner:
+    """Runs every stage's ``Popen`` on one daemon thread that lives as long as the process.
+
+    A stage asks for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), and the kernel
+    means the *thread* that forked it: a stage spawned from a short-lived thread would be
+    killed when that thread returns.
+    """
+
+    _lock = threading.Lock()
+    _current: _Spawner | None = None
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="mpengine-spawner", daemon=True).start()
+
+    @classmethod
+    def popen(cls, argv: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        """``subprocess.Popen(argv, **kwargs)``, run on the spawner thread."""
+        with cls._lock:
+            if cls._current is None or cls._current.pid != os.getpid():  # none yet, or forked
+                cls._current = cls()
+            spawner = cls._current
+        future: Future[subprocess.Popen[bytes]] = Future()
+        spawner.jobs.put((functools.partial(subprocess.Popen, argv, **kwargs), future))
+        return future.result()
+
+    def _serve(self) -> None:
+        while True:
+            call, future = self.jobs.get()
+            try:
+                future.set_result(call())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
+def _stage_env() -> dict[str, str]:
+    """The caller's environment with the project root first on PYTHONPATH (so that an
+    uninstalled checkout works); the caller's entries stay, except empty ones, which Python
+    reads as the cwd."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    entries = [root, *env.get("PYTHONPATH", "").split(os.pathsep)]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in entries if p)
+    return env
 
 
 class StageProcess:
-    """A stage as a child process: ``python -m mpengine.runtime.stage STAGE FD PPID``.
+    """A stage as a child process: ``python -c STAGE_ENTRY STAGE FD PPID``.
 
     A fresh interpreter (not multiprocessing's spawn) so the caller's ``__main__`` is never
     re-imported; the control connection is one end of a socketpair; ``sentinel`` is a pidfd
@@ -86,17 +225,16 @@ class StageProcess:
     def __init__(self, stage: str) -> None:
         self.stage = stage
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        argv = [sys.executable, "-m", "mpengine.runtime.stage", stage, str(theirs.fileno())]
-        self.popen = subprocess.Popen(
-            [*argv, str(os.getpid())],
-            pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-        theirs.close()
+        argv = [sys.executable, "-c", STAGE_ENTRY, stage, str(theirs.fileno()), str(os.getpid())]
+        try:
+            self.popen = _Spawner.popen(
+                argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=_stage_env()
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         self.conn = Connection(ours.detach())
         self.pid = self.popen.pid
         self.sentinel = os.pidfd_open(self.pid)
@@ -132,14 +270,17 @@ class Engine:
         self.stopped = threading.Event()  # set once the stages are gone and cleaned up
         self._death_callbacks: list[Callable[[str], None]] = []
         self._segments: list = []
+        self._ipc_dir: str | None = None  # the directory of the ipc sockets ...
+        self._lock_fd: int | None = None  # ... and its engine.lock, while this engine holds it
         swept = sweep_stale() + sweep_stale_runtime_dirs()
         if swept:
             logger.info("removed %d stale shm objects and dirs of dead engines", len(swept))
-        self.runtime_dir = tempfile.mkdtemp(prefix=f"mpengine-{config.engine_id}-{os.getpid()}-")
-        request_address, output_address = _addresses(config, self.runtime_dir)
-        self.wiring = Wiring(request_address, output_address)
+        self.runtime_dir = tempfile.mkdtemp(
+            prefix=f"mpengine-{config.engine_id}-{os.getpid()}-{pid_namespace()}-"
+        )
         self.processes: dict[str, StageProcess] = {}
         try:
+            self.wiring = self._addresses()
             if config.runtime == "processes":
                 self.wiring = self._create_segments()
                 stages = ("executor", "scheduler", "output")
@@ -157,11 +298,23 @@ class Engine:
 
     # -- start ----------------------------------------------------------------------------
 
+    def _addresses(self) -> Wiring:
+        """tcp: requests on PORT, outputs on PORT+1 (a port in use fails the stage binding
+        it). ipc: the sockets in a private directory that this engine alone serves."""
+        address = self.config.address
+        if address and address.startswith("tcp://"):
+            host, port = address.rsplit(":", 1)
+            return Wiring(f"{host}:{port}", f"{host}:{int(port) + 1}")
+        base = private_dir(address[len("ipc://") :]) if address else self.runtime_dir
+        self._lock_fd = lock_dir(base)
+        self._ipc_dir = base
+        return Wiring(f"ipc://{base}/requests.sock", f"ipc://{base}/outputs.sock")
+
     def _create_segments(self) -> Wiring:
         engine_id, size = self.config.engine_id, self.config.ring_bytes
         rings = {}
         for purpose in ("plan", "result", "feedback", "announce"):
-            rings[purpose] = Ring.create(engine_id, purpose, MiB if purpose == "announce" else size)
+            rings[purpose] = Ring.create(engine_id, purpose, size)
             self._segments.append(rings[purpose])  # tracked at once: unlinked if a later fails
         done = Lockstep.create(engine_id, "done")
         self._segments.append(done)
@@ -243,6 +396,7 @@ class Engine:
     def client(self, **kwargs):
         from mpengine.client import Client
 
+        kwargs.setdefault("auth_token", self.config.auth_token)
         client = Client(self.address, **kwargs)
         self.on_death(client._engine_died)
         return client
@@ -250,6 +404,7 @@ class Engine:
     def async_client(self, **kwargs):
         from mpengine.client import AsyncClient
 
+        kwargs.setdefault("auth_token", self.config.auth_token)
         client = AsyncClient(self.address, **kwargs)
         self.on_death(client._engine_died)
         return client
@@ -289,6 +444,14 @@ class Engine:
             segment.close()
         self._segments = []
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        if self._lock_fd is not None and self._ipc_dir is not None:
+            # The stages are gone and the directory is still ours: remove the socket files
+            # a killed stage left, then let the next engine have it.
+            for name in ("requests.sock", "outputs.sock"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self._ipc_dir, name))
+            os.close(self._lock_fd)
+            self._lock_fd = None
         self.stopped.set()
 
 

@@ -2,23 +2,28 @@
 
 Every object this package puts in ``/dev/shm`` is named
 
-    /mpe.<engine_id>.<owner_pid>.<purpose>[.<suffix>]
+    /mpe.<engine_id>.<owner_pid>-<pid_ns>.<purpose>[.<suffix>]
 
 so that two engines on one host never collide, and so that :func:`sweep_stale`
-can tell from the name alone which process owns an object. Segments appear as
-``/dev/shm/mpe...``; posix_ipc semaphores as ``/dev/shm/sem.mpe...``.
+can tell from the name alone which process owns an object. ``<pid_ns>`` is the
+creator's pid namespace (the inode of ``/proc/self/ns/pid``, in hex): a pid means
+something only in its own namespace, and containers may share ``/dev/shm``.
+Segments appear as ``/dev/shm/mpe...``; posix_ipc semaphores as ``/dev/shm/sem.mpe...``.
 
 Ownership: the process that creates an object unlinks it, on ``close()``, or at
 interpreter exit if it forgot (an ``atexit`` hook). A process killed with
 SIGKILL cannot clean up; the next engine start (or anyone) calls
-:func:`sweep_stale` to remove objects whose owner pid is gone. Attachers only
-unmap.
+:func:`sweep_stale` to remove objects whose owner pid is gone. The sweep only
+judges objects of its own user and pid namespace, and never raises for one
+entry it cannot remove. Attachers only unmap.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import logging
 import mmap
 import os
 import re
@@ -30,28 +35,54 @@ SHM_DIR = "/dev/shm"
 PREFIX = "mpe."
 MODE = 0o600
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,20}")
+_NS_TOKEN = re.compile(r"[A-Za-z0-9]{1,16}")
 _MIB = 1 << 20
+
+logger = logging.getLogger(__name__)
 
 # Objects created and not unlinked yet: (kind "shm" or "sem", name) -> creator pid. The pid
 # keeps a forked child from unlinking its parent's objects when it exits.
 _owned: dict[tuple[str, str], int] = {}
 
 
-def make_name(engine_id: str, purpose: str, pid: int | None = None) -> str:
-    """The POSIX name (leading slash) of an object owned by ``pid`` (default: this process)."""
+@functools.cache
+def pid_namespace() -> str:
+    """This process's pid namespace as a short token: the inode of ``/proc/self/ns/pid`` in
+    hex (``"0"`` where /proc does not tell). A process never leaves its pid namespace."""
+    try:
+        return format(os.stat("/proc/self/ns/pid").st_ino, "x")
+    except OSError:
+        return "0"
+
+
+def make_name(engine_id: str, purpose: str, pid: int | None = None, ns: str | None = None) -> str:
+    """The POSIX name (leading slash) of an object owned by ``pid`` in pid namespace ``ns``
+    (default: this process, this namespace)."""
     for label, token in (("engine_id", engine_id), ("purpose", purpose)):
         if not _TOKEN.fullmatch(token):
             raise ValueError(f"{label} {token!r} must be 1-20 characters of [A-Za-z0-9_-]")
-    return f"/{PREFIX}{engine_id}.{os.getpid() if pid is None else pid}.{purpose}"
+    ns = pid_namespace() if ns is None else ns
+    if not _NS_TOKEN.fullmatch(ns):
+        raise ValueError(f"ns {ns!r} must be 1-16 characters of [A-Za-z0-9]")
+    return f"/{PREFIX}{engine_id}.{os.getpid() if pid is None else pid}-{ns}.{purpose}"
+
+
+def _owner(name: str) -> tuple[int, str] | None:
+    """(pid, pid namespace) from an object name (with or without slash / ``sem.``), or None."""
+    parts = name.lstrip("/").removeprefix("sem.").split(".")
+    if len(parts) < 4:
+        return None
+    pid, _, ns = parts[2].partition("-")
+    if not pid.isdigit() or not _NS_TOKEN.fullmatch(ns):
+        return None
+    return int(pid), ns
 
 
 def owner_pid(name: str) -> int | None:
-    """The owner pid encoded in an object name (with or without slash / ``sem.``), or None."""
-    base = name.lstrip("/").removeprefix("sem.")
-    parts = base.split(".")
-    if len(parts) < 4 or not parts[2].isdigit():
-        return None
-    return int(parts[2])
+    """The owner pid encoded in an object name (with or without slash / ``sem.``), or None.
+    The pid is one of the namespace the name also carries."""
+    owner = _owner(name)
+    return None if owner is None else owner[0]
 
 
 class ShmSpaceError(OSError):
@@ -75,6 +106,14 @@ def check_free_space(size: int, name: str) -> None:
         )
 
 
+def _map(fd: int, size: int) -> mmap.mmap:
+    """Map shared, with every page faulted in now (``MAP_POPULATE``): no page-fault stalls on
+    the hot path, and a process's resident size does not creep up as a ring's cursor reaches
+    pages it has not touched yet (which looked like a leak)."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags)
+
+
 class Segment:
     """A named shared-memory segment mapped into this process.
 
@@ -91,7 +130,7 @@ class Segment:
 
     @classmethod
     def create(cls, engine_id: str, purpose: str, size: int) -> Segment:
-        """Create ``/mpe.<engine_id>.<pid>.<purpose>`` of ``size`` bytes, mode 0600."""
+        """Create ``/mpe.<engine_id>.<pid>-<pid_ns>.<purpose>`` of ``size`` bytes, mode 0600."""
         if size <= 0:
             raise ValueError(f"segment size must be positive, got {size}")
         name = make_name(engine_id, purpose)
@@ -109,7 +148,7 @@ class Segment:
             except OSError as e:
                 check_free_space(size, name)  # raced with another allocation: explain
                 raise ShmSpaceError(f"cannot allocate {size} bytes for {name}: {e}") from e
-            buf = mmap.mmap(mem.fd, size)
+            buf = _map(mem.fd, size)
         except BaseException:
             _unlink("shm", name)
             raise
@@ -127,7 +166,7 @@ class Segment:
         try:
             if mem.size == 0:  # mapped before its creator sized it
                 raise ValueError(f"shared memory segment {name} is empty (still being created?)")
-            buf = mmap.mmap(mem.fd, mem.size)
+            buf = _map(mem.fd, mem.size)
         finally:
             mem.close_fd()
         return cls(name, buf, owner=False)
@@ -231,29 +270,38 @@ def sweep_stale(prefix: str = PREFIX) -> list[str]:
 
     ``prefix`` is matched against the ``/dev/shm`` file name without ``sem.``,
     e.g. ``"mpe."`` (every engine) or ``"mpe.<engine_id>."`` (one engine).
-    An owner counts as gone when its pid does not exist, or exists but started
-    after the object was last modified (the pid was reused). Pids are those of
-    this pid namespace: engines in other containers sharing ``/dev/shm`` must use
-    a narrower prefix. Returns the removed ``/dev/shm`` file names.
+    Only objects of this user (the effective uid) and of this pid namespace are
+    judged: another user's objects are not ours to remove, and another
+    namespace's pids mean nothing here (its live owners would look dead). An
+    owner counts as gone when its pid does not exist, or exists but started after
+    the object was last modified (the pid was reused). An entry that cannot be
+    inspected or removed is logged and skipped: the sweep never raises for one.
+    Returns the removed ``/dev/shm`` file names.
     """
     removed: list[str] = []
     try:
         entries = os.listdir(SHM_DIR)
-    except FileNotFoundError:
+    except OSError:
         return removed
     for entry in sorted(entries):
         is_sem = entry.startswith("sem.")
         base = entry[4:] if is_sem else entry
-        pid = owner_pid(base)
-        if not base.startswith(prefix) or pid is None:
+        owner = _owner(base)
+        if not base.startswith(prefix) or owner is None or owner[1] != pid_namespace():
             continue
-        if pid_alive(pid):
-            try:
-                mtime = os.stat(os.path.join(SHM_DIR, entry)).st_mtime
-            except FileNotFoundError:
-                continue
-            if not _pid_started_after(pid, mtime):
-                continue
-        if _unlink("sem" if is_sem else "shm", "/" + base):
-            removed.append(entry)
+        try:
+            if _is_stale(entry, owner[0]) and _unlink("sem" if is_sem else "shm", "/" + base):
+                removed.append(entry)
+        except FileNotFoundError:
+            continue  # its owner removed it meanwhile
+        except (OSError, posix_ipc.Error) as exc:
+            logger.warning("stale sweep: left %s/%s: %s", SHM_DIR, entry, exc)
     return removed
+
+
+def _is_stale(entry: str, pid: int) -> bool:
+    """Whether ``/dev/shm/<entry>`` is ours and its owner ``pid`` is gone."""
+    st = os.stat(os.path.join(SHM_DIR, entry), follow_symlinks=False)
+    if st.st_uid != os.geteuid():
+        return False  # another user's engine: not ours to judge
+    return not pid_alive(pid) or _pid_started_after(pid, st.st_mtime)

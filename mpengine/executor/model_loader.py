@@ -44,11 +44,18 @@ class LoadedModel:
 
 
 def resolve_model_path(name: str) -> str:
-    """A local model directory for ``name``: built-in tiny names are built on first use."""
+    """A local model directory for ``name`` (see ``mpengine.testing.tiny.resolve_model``): a
+    name that looks like a path (has a ``/``, starts with ``.`` or ``~``) is a directory;
+    any other is a built-in model, built on first use, even if the cwd has such a directory.
+    """
     try:
         from mpengine.testing.tiny import resolve_model
-    except ImportError:  # the builder is optional; a plain directory needs none
-        return name
+    except ImportError as exc:  # the builder is optional; a path needs none
+        if "/" in name or name.startswith((".", "~")):
+            return os.path.expanduser(name)
+        raise ValueError(
+            f"model {name!r} is not a path, and the built-in models need mpengine.testing"
+        ) from exc
     return resolve_model(name)
 
 

@@ -1,15 +1,19 @@
 """The entry point of every stage process: title, signals, logging, start-up handshake.
 
-The launcher spawns each stage with the resolved config and its wiring as msgpack bytes and
-one end of a pipe. The stage answers ``StageReady`` (or ``StageFailed`` with the reason)
-when it can serve. Stages that need the model's facts (block count, tokenizer) wait for a
-``ModelInfo`` the launcher relays from the executor.
+The launcher runs ``main()`` in a fresh interpreter (``python -c``, with the caller's cwd
+removed from ``sys.path`` first, see ``launch.STAGE_ENTRY``) and sends it the resolved
+config and its wiring as msgpack bytes over one end of a socketpair. The stage answers
+``StageReady`` (or ``StageFailed`` with the reason) when it can serve; an address in use
+says so plainly. Stages that need the model's facts (block count, tokenizer) wait for a
+``ModelInfo`` the launcher relays from the executor. A stage is SIGKILLed when the launcher
+dies (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import signal
@@ -67,7 +71,8 @@ class Control:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this stage if the launcher dies first."""
+    """Ask the kernel to SIGKILL this stage if the launcher dies first. "The launcher" is the
+    thread that forked this process, hence the launcher's long-lived spawner thread."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -112,10 +117,24 @@ def run_stage(stage: str, conn: Connection, parent_pid: int) -> None:
         run(config, wiring, control, stop)
     except BaseException as exc:
         logger.error("%s stopped by an error:\n%s", stage, traceback.format_exc())
-        control.failed(f"{type(exc).__name__}: {exc}")
+        control.failed(failure_message(exc))
         raise SystemExit(1) from None
     logger.info("%s stopped", stage)
 
 
-if __name__ == "__main__":
+def failure_message(exc: BaseException) -> str:
+    """What the launcher reports for a stage that failed to start."""
+    message = f"{type(exc).__name__}: {exc}"
+    if getattr(exc, "errno", None) == errno.EADDRINUSE:  # OSError or zmq.ZMQError
+        # The usual cause: a second engine launched on the address of a running one.
+        return f"address in use (is another engine or program bound to it?): {message}"
+    return message
+
+
+def main() -> None:
+    """``python -c ... STAGE FD PPID``: run one stage (see ``launch.StageProcess``)."""
     run_stage(sys.argv[1], Connection(int(sys.argv[2])), int(sys.argv[3]))
+
+
+if __name__ == "__main__":
+    main()

@@ -274,18 +274,28 @@ def cache_root() -> Path:
 
 
 def resolve_model(name: str) -> str:
-    """Return a model directory for `name`: an existing directory as is, or a name from
+    """Return a model directory for `name`: a path as is (`~` expanded), or a name from
     KNOWN_MODELS, built into the cache on first use.
+
+    A name is a path only when it looks like one (contains a `/`, starts with `.` or `~`):
+    `tiny` is always the built-in model, never a `./tiny` that happens to be in the cwd.
 
     Safe when several processes resolve the same name at once: each builds into a
     private temporary directory next to the final one and renames it into place; the
     rename is atomic, so a directory under its final name is always complete, and a
     process that loses the race uses the winner's copy.
     """
-    if os.path.isdir(name):
-        return name
+    if "/" in name or name.startswith((".", "~")):  # absolute paths contain a "/" too
+        path = os.path.expanduser(name)
+        if not os.path.isdir(path):
+            # Hugging Face hub ids ("org/name") found in the local cache will go here.
+            raise FileNotFoundError(f"model directory {path!r} does not exist")
+        return path
     if name not in KNOWN_MODELS:
-        raise ValueError(f"unknown model {name!r}: not a directory nor one of {list(KNOWN_MODELS)}")
+        raise ValueError(
+            f"unknown model {name!r}: the built-in models are {list(KNOWN_MODELS)}; "
+            f"give a local directory as a path (./{name}, /abs/dir, ~/dir)"
+        )
     arch, preset = KNOWN_MODELS[name]
     final = cache_root() / f"{name}-{model_spec(arch, preset).digest()}"
     if final.is_dir():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 import shm.segment
 from shm import Segment, ShmSpaceError, make_name, owner_pid, sweep_stale
+from shm.segment import pid_namespace
 
 
 def shm_path(name: str) -> str:
@@ -43,18 +45,27 @@ def live_child() -> Iterator[subprocess.Popen[bytes]]:
         proc.wait(timeout=30)
 
 
-def test_name_carries_engine_and_owner_pid(shm_engine_id: str) -> None:
+def test_name_carries_engine_owner_pid_and_pid_namespace(shm_engine_id: str) -> None:
+    ns = format(os.stat("/proc/self/ns/pid").st_ino, "x")
+    assert pid_namespace() == ns
     name = make_name(shm_engine_id, "plan")
-    assert name == f"/mpe.{shm_engine_id}.{os.getpid()}.plan"
+    assert name == f"/mpe.{shm_engine_id}.{os.getpid()}-{ns}.plan"
     assert len(name) < 60
     assert owner_pid(name) == os.getpid()
     assert owner_pid("sem." + name.lstrip("/") + ".d") == os.getpid()
+    assert owner_pid(make_name(shm_engine_id, "plan", pid=7, ns="other")) == 7
     assert owner_pid("mpe.noid") is None
+    assert owner_pid(f"mpe.{shm_engine_id}.123.plan") is None  # no namespace: not ours
+    longest = make_name("e" * 20, "p" * 20, pid=2**22, ns="f" * 16)
+    assert len("sem." + longest + ".d") < 100  # NAME_MAX is 255
     for bad in ("", "a.b", "a/b", "x" * 21):
         with pytest.raises(ValueError):
             make_name(bad, "plan")
         with pytest.raises(ValueError):
             make_name(shm_engine_id, bad)
+    for bad_ns in ("", "a-b", "a.b", "x" * 17):
+        with pytest.raises(ValueError):
+            make_name(shm_engine_id, "plan", ns=bad_ns)
 
 
 def test_create_attach_share_bytes_and_mode_0600(shm_engine_id: str) -> None:
@@ -152,3 +163,59 @@ def test_sweep_keeps_a_live_owners_fresh_segment(
         assert sweep_stale(prefix=f"mpe.{shm_engine_id}.") == []
     finally:
         posix_ipc.unlink_shared_memory(name)
+
+
+@pytest.fixture
+def unlink_after() -> Iterator[list[str]]:
+    """POSIX names of segments a test creates and expects the sweep to leave; unlinked after
+    the test, whatever happens."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(name)
+
+
+def test_sweep_leaves_another_users_object(
+    shm_engine_id: str, dead_pid: int, unlink_after: list[str]
+) -> None:
+    name = make_name(shm_engine_id, "plan", pid=dead_pid)
+    posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=64).close_fd()
+    unlink_after.append(name)
+    os.chown(shm_path(name), 12345, 12345)
+    assert sweep_stale(prefix=f"mpe.{shm_engine_id}.") == []
+    assert os.path.exists(shm_path(name))
+
+
+def test_sweep_leaves_another_pid_namespaces_object(
+    shm_engine_id: str, dead_pid: int, unlink_after: list[str]
+) -> None:
+    # A live owner in another container sharing /dev/shm: its pid means nothing here.
+    name = make_name(shm_engine_id, "plan", pid=dead_pid, ns="0ther")
+    posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=64).close_fd()
+    unlink_after.append(name)
+    assert sweep_stale(prefix=f"mpe.{shm_engine_id}.") == []
+    assert os.path.exists(shm_path(name))
+
+
+def test_sweep_logs_and_skips_an_entry_it_cannot_remove(
+    shm_engine_id: str,
+    dead_pid: int,
+    unlink_after: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stuck, stale = (make_name(shm_engine_id, p, pid=dead_pid) for p in ("a", "b"))
+    for name in (stuck, stale):
+        posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=64).close_fd()
+    unlink_after.append(stuck)
+    real_unlink = posix_ipc.unlink_shared_memory
+
+    def unlink(name: str) -> None:
+        if name == stuck:  # what another user's object does to a non-root sweep
+            raise posix_ipc.PermissionsError("Permission denied")
+        real_unlink(name)
+
+    monkeypatch.setattr(posix_ipc, "unlink_shared_memory", unlink)
+    assert sweep_stale(prefix=f"mpe.{shm_engine_id}.") == [stale[1:]]
+    assert os.path.exists(shm_path(stuck)) and stuck[1:] in caplog.text

@@ -1,0 +1,288 @@
+"""Host safety without an engine: model names vs directories, the ipc directory checks and
+lock, the runtime-dir sweep, the stage entry and the spawner thread."""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from mpengine.executor.model_loader import resolve_model_path
+from mpengine.launch import (
+    STAGE_ENTRY,
+    EngineStartError,
+    _Spawner,
+    _stage_env,
+    lock_dir,
+    private_dir,
+    sweep_stale_runtime_dirs,
+)
+from mpengine.runtime.stage import failure_message
+from mpengine.testing import tiny
+from shm.segment import pid_namespace
+
+launch_mod = importlib.import_module("mpengine.launch")  # mpengine.launch is also a function
+
+
+@pytest.fixture
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert proc.wait(timeout=30) == 0
+    return proc.pid
+
+
+# -- 3: model names ---------------------------------------------------------------------
+
+
+def test_builtin_name_wins_over_a_directory_in_the_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    built = tmp_path / "cache" / "tiny-built"
+    monkeypatch.setattr(tiny, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(tiny, "model_spec", lambda arch, preset: _Digest())
+    built.mkdir(parents=True)  # already "built": resolve_model returns it without building
+    assert tiny.resolve_model("tiny") == str(built)
+    assert resolve_model_path("tiny") == str(built)
+    # Written as a path, the local directory is what it means.
+    assert tiny.resolve_model("./tiny") == "./tiny"
+    assert tiny.resolve_model(str(tmp_path / "tiny")) == str(tmp_path / "tiny")
+
+
+class _Digest:
+    def digest(self) -> str:
+        return "built"
+
+
+def test_tilde_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    assert tiny.resolve_model("~/m") == str(tmp_path / "m")
+
+
+def test_unknown_name_names_the_builtins_even_if_a_directory_exists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mymodel").mkdir()
+    with pytest.raises(ValueError, match="built-in models") as info:
+        tiny.resolve_model("mymodel")
+    assert all(name in str(info.value) for name in tiny.KNOWN_MODELS)
+    assert "./mymodel" in str(info.value)  # how to say "the directory"
+    with pytest.raises(FileNotFoundError, match="no-such-dir"):
+        tiny.resolve_model("./no-such-dir")
+
+
+# -- 4: the ipc directory ---------------------------------------------------------------
+
+
+def test_private_dir_is_created_0700(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "engine"
+    assert private_dir(str(path) + "/") == str(path)
+    assert (path.stat().st_mode & 0o777) == 0o700
+
+
+def test_world_writable_dir_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "shared"
+    path.mkdir()
+    path.chmod(0o777)
+    with pytest.raises(EngineStartError, match="world-writable") as info:
+        private_dir(str(path))
+    assert str(path) in str(info.value)
+    path.chmod(0o720)
+    with pytest.raises(EngineStartError, match="group- or world-writable"):
+        private_dir(str(path))
+
+
+def test_symlink_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(EngineStartError, match="symlink") as info:
+        private_dir(str(link))
+    assert str(link) in str(info.value)
+    with pytest.raises(EngineStartError, match="symlink"):
+        private_dir(str(link) + "/")  # a trailing slash must not make lstat follow it
+
+
+def test_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("")
+    with pytest.raises(EngineStartError, match="not a directory"):
+        private_dir(str(tmp_path / "f"))
+
+
+def test_another_users_dir_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "theirs"
+    path.mkdir(mode=0o700)
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(path).st_uid + 4242)
+    with pytest.raises(EngineStartError, match="owned by uid") as info:
+        private_dir(str(path))
+    assert str(path) in str(info.value)
+
+
+def test_lock_dir_admits_one_holder(tmp_path: Path) -> None:
+    fd = lock_dir(str(tmp_path))
+    try:
+        with pytest.raises(EngineStartError, match="in use"):
+            lock_dir(str(tmp_path))
+    finally:
+        os.close(fd)
+    os.close(lock_dir(str(tmp_path)))  # released with the fd
+
+
+# -- 6: the runtime-dir sweep -----------------------------------------------------------
+
+
+@pytest.fixture
+def runtime_dirs() -> Iterator[list[Path]]:
+    """Dirs a test creates in the temp dir; removed after it, whatever happens."""
+    made: list[Path] = []
+    yield made
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _runtime_dir(made: list[Path], pid: int, ns: str) -> Path:
+    path = Path(tempfile.mkdtemp(prefix=f"mpengine-tsweep-{pid}-{ns}-"))
+    made.append(path)
+    return path
+
+
+def test_runtime_dir_sweep_only_takes_ours(runtime_dirs: list[Path], dead_pid: int) -> None:
+    ours = _runtime_dir(runtime_dirs, dead_pid, pid_namespace())
+    (ours / "requests.sock").write_text("")
+    alive = _runtime_dir(runtime_dirs, os.getpid(), pid_namespace())
+    other_ns = _runtime_dir(runtime_dirs, dead_pid, "abc123")
+    other_user = _runtime_dir(runtime_dirs, dead_pid, pid_namespace())
+    os.chown(other_user, 12345, 12345)
+    removed = sweep_stale_runtime_dirs()
+    assert str(ours) in removed and not ours.exists()
+    assert alive.exists() and other_ns.exists() and other_user.exists()
+    assert not {str(alive), str(other_ns), str(other_user)} & set(removed)
+
+
+def test_runtime_dir_sweep_logs_and_goes_on(
+    runtime_dirs: list[Path], dead_pid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = _runtime_dir(runtime_dirs, dead_pid, pid_namespace())
+    second = _runtime_dir(runtime_dirs, dead_pid, pid_namespace())
+    real_rmtree = launch_mod.shutil.rmtree
+
+    def rmtree(path: Path) -> None:
+        if Path(path) == first:
+            raise PermissionError(13, "Permission denied", str(path))
+        real_rmtree(path)
+
+    monkeypatch.setattr(launch_mod.shutil, "rmtree", rmtree)
+    removed = sweep_stale_runtime_dirs()
+    assert str(second) in removed and not second.exists()
+    assert first.exists() and str(first) not in removed
+
+
+# -- 1, 2, 5: the stage entry, the spawner, the failure message -------------------------
+
+
+def test_stage_entry_drops_the_cwd_before_any_import(tmp_path: Path) -> None:
+    """STAGE_ENTRY with a stand-in ``mpengine.runtime.stage`` found through PYTHONPATH: a
+    ``setproctitle.py`` in the cwd must not shadow the real one."""
+    fake = tmp_path / "fake" / "mpengine" / "runtime"
+    fake.mkdir(parents=True)
+    (fake.parent / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "stage.py").write_text(
+        "import sys\ndef main():\n    import setproctitle\n    print(sys.argv[1:])\n"
+    )
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "setproctitle.py").write_text("raise SystemExit('the cwd was on sys.path')\n")
+    done = subprocess.run(
+        [sys.executable, "-c", STAGE_ENTRY, "scheduler", "7", "1"],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(fake.parent.parent)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['scheduler', '7', '1']"
+
+
+def test_stage_env_keeps_pythonpath_but_no_empty_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    root = str(Path(launch_mod.__file__).resolve().parent.parent)
+    monkeypatch.setenv("PYTHONPATH", f"/x{os.pathsep}{os.pathsep}rel{os.pathsep}")
+    assert _stage_env()["PYTHONPATH"] == os.pathsep.join([root, "/x", "rel"])
+    monkeypatch.delenv("PYTHONPATH")
+    assert _stage_env()["PYTHONPATH"] == root
+
+
+ARMED_CHILD = """
+import ctypes, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, as a stage does
+print("armed", flush=True)
+sys.stdin.readline()
+print("alive", flush=True)
+"""
+
+
+def wait_thread_gone(native_id: int, timeout: float = 10.0) -> None:
+    """Wait until the OS thread is reaped (its exit, hence any PDEATHSIG, is done):
+    ``Thread.join`` returns a little before that."""
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/self/task/{native_id}"):
+        assert time.monotonic() < deadline, "the thread did not exit"
+        time.sleep(0.005)
+
+
+def test_a_child_spawned_from_a_thread_that_returns_lives_on() -> None:
+    procs: list[subprocess.Popen[str]] = []
+
+    def spawn() -> None:
+        proc = _Spawner.popen(
+            [sys.executable, "-c", ARMED_CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(proc)
+        assert select.select([proc.stdout], [], [], 60)[0], "the child did not start"
+        assert proc.stdout.readline() == "armed\n"
+
+    thread = threading.Thread(target=spawn)
+    thread.start()
+    thread.join(90)
+    try:
+        assert not thread.is_alive() and procs
+        wait_thread_gone(thread.native_id)
+        proc = procs[0]
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert select.select([proc.stdout], [], [], 60)[0], "no answer"
+        assert proc.stdout.readline() == "alive\n", "the child died with its spawning thread"
+        spawners = [t for t in threading.enumerate() if t.name == "mpengine-spawner"]
+        assert len(spawners) == 1 and spawners[0].daemon
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(30)
+            proc.stdin.close()
+            proc.stdout.close()
+
+
+def test_address_in_use_is_said_plainly() -> None:
+    message = failure_message(zmq.ZMQError(errno.EADDRINUSE))
+    assert message.startswith("address in use")
+    assert failure_message(ValueError("x")) == "ValueError: x"
