@@ -6,6 +6,7 @@ __version__ = "0.1.0"
 from mpengine.client import (
     AsyncClient,
     Client,
+    ClientClosedError,
     CompletionOutput,
     InvalidRequestError,
     RequestOutput,
@@ -17,6 +18,7 @@ from mpengine.protocol import PoolingParams, SamplingParams
 __all__ = [
     "AsyncClient",
     "Client",
+    "ClientClosedError",
     "CompletionOutput",
     "Engine",
     "EngineConfig",

@@ -166,7 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     from mpengine.client import Client
 
-    with Client(args.address, timeout=args.timeout) as client:
+    with Client(args.address, timeout=args.timeout, auth_token=args.auth_token) as client:
         stats = client.stats()
         fields = {name: getattr(stats, name) for name in stats.__struct_fields__}
         print(json.dumps(fields, indent=2))
@@ -193,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="print a running engine's scheduler counters")
     stats.add_argument("address", help="the engine's request address (ipc://... or tcp://...)")
     stats.add_argument("--timeout", type=float, default=10.0)
+    stats.add_argument("--auth-token", default=None, help="the engine's auth token, if any")
     stats.set_defaults(func=cmd_stats)
     return parser
 

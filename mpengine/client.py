@@ -5,13 +5,28 @@
         out = client.generate("Hello", SamplingParams(max_tokens=16, temperature=0))
         print(out.text)
 
-    client = mpengine.Client("ipc:///run/mpengine/requests.sock")   # a running engine
+    client = mpengine.Client("tcp://gpu-box:5555", auth_token="...")   # a running engine
 
-A client holds two DEALER sockets under one client id: requests go to the scheduler, outputs
-come back from the output processor. One I/O thread owns both sockets (ZMQ sockets are not
-thread-safe); callers hand it frames through an inproc pipe and receive deltas through
-per-request queues. A disconnect of either engine socket means the engine died: every
-pending request fails with ``EngineDeadError`` at once.
+How it is built, bottom up:
+
+- ``_Dealer``: one DEALER socket to one engine edge under the client id, with a monitor of
+  its connection events; it says hello (``Hello`` -> ``EngineInfo`` from the scheduler,
+  ``Hello`` -> ``Hello`` from the output processor) and turns a refused handshake into a
+  clear error (``PermissionError`` for a wrong or missing auth token).
+- ``_Connection``: both dealers and the one I/O thread that owns them (ZMQ sockets are not
+  thread-safe). Callers never touch a socket: they queue frames in an outbox and wake the
+  thread through a pipe; the thread hands deltas and replies to per-request *sinks*
+  (callables). One failing delivery (a closed event loop, a frame that does not decode)
+  fails only the requests involved. A disconnect of either engine socket means the engine
+  died: every pending request fails with ``EngineDeadError``. When the thread stops (close,
+  engine death, or the client object garbage-collected) it aborts what is pending, in
+  frames of at most ``ABORT_CHUNK_BYTES``, and closes its own sockets.
+- ``Client`` / ``AsyncClient``: the public API over one connection; they share everything
+  but the waiting (``_SyncRequest`` blocks on a queue, ``_AsyncRequest`` awaits one).
+
+Every client of a process uses one ZMQ context that is never terminated, so no garbage
+collection or interpreter exit can block on it; sockets are closed by the thread that owns
+them.
 """
 
 from __future__ import annotations
@@ -20,16 +35,20 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from mpengine.launch import EngineDeadError
 from mpengine.protocol import (
@@ -39,23 +58,64 @@ from mpengine.protocol import (
     EngineInfo,
     EngineStats,
     Hello,
+    Logprobs,
     OutputBatch,
     OutputDelta,
     RequestError,
     SamplingParams,
     StatsQuery,
+    TokenizerFile,
+    TokenizerQuery,
     encoder,
     output_reply_decoder,
     scheduler_reply_decoder,
 )
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+Sink = Callable[[Any], None]  # receives a delta or reply, or an exception to raise
+T = TypeVar("T")
+
+POLL_MS = 100  # the I/O thread's longest sleep: how soon it sees a dropped client
+ABORT_CHUNK_BYTES = 32 * 1024  # largest Abort frame (also at most max_request_bytes / 2)
+ABORT_LINGER_MS = 2000  # how long closed sockets keep trying to deliver the last aborts
+MAX_FRAMES_PER_TURN = 1000  # frames read from one socket before serving the others
+TCP_HEARTBEAT_MS = 2000  # ZMTP pings: a vanished remote engine counts as a disconnect...
+TCP_HEARTBEAT_TIMEOUT_MS = 20000  # ...after this long without an answer
+_MONITOR_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_WILDCARD_HOSTS = {"", "*", "0.0.0.0", "[::]", "::", "[*]"}
+
+
+# -- errors ----------------------------------------------------------------------------------
 
 
 class InvalidRequestError(ValueError):
-    """The engine rejected a request (bad prompt or parameters); it keeps serving."""
+    """The engine rejected a request (bad prompt or parameters, overloaded...); it keeps
+    serving the others. ``kind`` is the engine's reason (``RequestError.kind``)."""
+
+    def __init__(self, message: str, kind: str = "invalid") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class ClientClosedError(RuntimeError):
+    """The client was closed (or dropped) while the request was pending, or used after."""
+
+
+class ProtocolError(RuntimeError):
+    """A frame from the engine could not be decoded (client and engine versions differ?)."""
+
+
+# -- outputs ---------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -115,7 +175,7 @@ class RequestOutput:
         return self.outputs[0].logprobs
 
 
-def _logprob_dicts(lp) -> list[dict[int, float]]:
+def _logprob_dicts(lp: Logprobs) -> list[dict[int, float]]:
     ids, values = lp.token_ids.numpy().tolist(), lp.logprobs.numpy().tolist()
     top_ids, top_values = lp.top_ids.numpy().tolist(), lp.top_logprobs.numpy().tolist()
     rows = []
@@ -170,180 +230,682 @@ class _Assembly:
         )
 
 
-Sink = Callable[[object], None]  # receives OutputDelta, or an exception to raise
+# -- building blocks: context, addresses, deadlines, abort frames ---------------------------
+
+_shared_context: zmq.Context | None = None
+_shared_context_pid = 0
+_shared_context_lock = threading.Lock()
+
+
+def _context() -> zmq.Context:
+    """The process-wide ZMQ context of every client: created on first use (again in a
+    forked child), never terminated, so nothing ever waits in ``Context.term()``."""
+    global _shared_context, _shared_context_pid
+    with _shared_context_lock:
+        if _shared_context is None or _shared_context_pid != os.getpid():
+            _shared_context = zmq.Context(io_threads=1)
+            _shared_context_pid = os.getpid()
+        return _shared_context
+
+
+def _split_tcp(address: str) -> tuple[str, str] | None:
+    """``tcp://HOST:PORT`` as ``(HOST, PORT)`` (IPv6 hosts keep their brackets)."""
+    if not address.startswith("tcp://"):
+        return None
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    return host, port
+
+
+def connectable(address: str) -> str:
+    """An address a client can connect to: a wildcard tcp host (an engine's bind address,
+    ``tcp://*:5555``) means this host."""
+    parts = _split_tcp(address)
+    if parts is None or parts[0] not in _WILDCARD_HOSTS:
+        return address
+    loopback = "[::1]" if parts[0].startswith("[") or parts[0] == "::" else "127.0.0.1"
+    return f"tcp://{loopback}:{parts[1]}"
+
+
+def output_address(request_address: str, advertised: str) -> str:
+    """Where to connect for outputs: the engine's advertised output address, except that a
+    wildcard host (the engine binds every interface, ``tcp://*:5556``) becomes the host this
+    client reached the engine at for requests."""
+    out = _split_tcp(advertised)
+    if out is None or out[0] not in _WILDCARD_HOSTS:
+        return advertised
+    request = _split_tcp(request_address)
+    return connectable(advertised) if request is None else f"tcp://{request[0]}:{out[1]}"
+
+
+def abort_frames(request_ids: Iterable[str], max_bytes: int = ABORT_CHUNK_BYTES) -> list[bytes]:
+    """``Abort`` frames for ``request_ids``, each at most ``max_bytes`` (or one id)."""
+    frames: list[bytes] = []
+    chunk: list[str] = []
+    size = 16  # tag and array headers
+    for request_id in request_ids:
+        cost = len(request_id.encode()) + 5  # msgpack str header
+        if chunk and size + cost > max_bytes:
+            frames.append(encoder.encode(Abort(chunk)))
+            chunk, size = [], 16
+        chunk.append(request_id)
+        size += cost
+    if chunk:
+        frames.append(encoder.encode(Abort(chunk)))
+    return frames
+
+
+class _Deadline:
+    """A point in time some call must finish by (none when ``timeout`` is None)."""
+
+    __slots__ = ("at", "timeout")
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self.at = None if timeout is None else time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        return None if self.at is None else max(0.0, self.at - time.monotonic())
+
+    def error(self, what: str) -> TimeoutError:
+        return TimeoutError(f"{what} within {self.timeout:g} s")
+
+
+def _request_error(error: RequestError) -> Exception:
+    if error.kind == "unauthorized":
+        return PermissionError(error.message)
+    return InvalidRequestError(error.message, error.kind)
+
+
+def _ids_in_bad_frame(frame: bytes) -> tuple[list[str], list[int]]:
+    """The request ids and query ids a frame that failed to decode was about, if its
+    msgpack can be read at all (array-like structs: ``[tag, first field, ...]``)."""
+    try:
+        obj = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return [], []
+    if not isinstance(obj, list) or len(obj) < 2:
+        return [], []
+    tag, first = obj[0], obj[1]
+    if tag == "OutputBatch" and isinstance(first, list):
+        ids = [d[1] for d in first if isinstance(d, list) and len(d) > 1 and isinstance(d[1], str)]
+        return ids, []
+    if tag == "RequestError" and isinstance(first, str) and first:
+        return [first], []
+    if tag in ("EngineStats", "TokenizerFile") and isinstance(first, int):
+        return [], [first]
+    return [], []
+
+
+# -- one socket to one engine edge -----------------------------------------------------------
+
+
+class _Dealer:
+    """A DEALER socket to one engine edge under the client id, and a monitor of its
+    connection events (handshake failures, disconnects)."""
+
+    def __init__(
+        self, ctx: zmq.Context, address: str, client_id: str, auth_token: str | None
+    ) -> None:
+        self.address = address
+        self.secure = bool(auth_token)
+        self.sock = ctx.socket(zmq.DEALER)
+        self.monitor: zmq.Socket | None = None
+        try:
+            self.sock.setsockopt(zmq.ROUTING_ID, client_id.encode())
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.SNDHWM, 0)
+            self.sock.setsockopt(zmq.RCVHWM, 0)
+            tcp = _split_tcp(address)
+            if tcp is not None:
+                self.sock.setsockopt(zmq.HEARTBEAT_IVL, TCP_HEARTBEAT_MS)
+                self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, TCP_HEARTBEAT_TIMEOUT_MS)
+                if tcp[0].startswith("["):
+                    self.sock.setsockopt(zmq.IPV6, 1)
+            if auth_token:
+                from mpengine.runtime.auth import secure_client
+
+                secure_client(self.sock, auth_token)
+            # Our own endpoint name (pyzmq's is derived from a reusable file descriptor),
+            # connected before the socket is, so no handshake event is missed.
+            endpoint = f"inproc://mpengine-monitor-{uuid.uuid4().hex}"
+            self.sock.monitor(endpoint, _MONITOR_EVENTS)
+            self.monitor = ctx.socket(zmq.PAIR)
+            self.monitor.setsockopt(zmq.LINGER, 0)
+            self.monitor.connect(endpoint)
+            self.sock.connect(address)
+        except BaseException:
+            self.close()
+            raise
+
+    def handshake(self, hello: bytes, decoder: msgspec.msgpack.Decoder, deadline: _Deadline) -> Any:
+        """Send ``hello`` and return the engine's answer; raise ``ConnectionError`` (or
+        ``PermissionError`` when the engine refused the auth token) if there is none."""
+        assert self.monitor is not None
+        self.sock.send(hello)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        while True:
+            remaining = deadline.remaining()
+            assert remaining is not None
+            if remaining <= 0:
+                raise ConnectionError(
+                    f"no answer from an engine at {self.address} within {deadline.timeout:g} s:"
+                    " is it running there? (An engine also ignores a connection whose client_id"
+                    " another live connection already uses.)"
+                )
+            events = dict(poller.poll(max(1, int(remaining * 1000))))
+            if self.sock in events:
+                frame = self.sock.recv()
+                try:
+                    reply = decoder.decode(frame)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    raise ConnectionError(
+                        f"the peer at {self.address} is not a compatible mpengine engine: "
+                        f"its answer does not decode ({exc})"
+                    ) from None
+                if isinstance(reply, RequestError):
+                    message = f"the engine at {self.address} refused the connection: "
+                    if reply.kind == "unauthorized":
+                        raise PermissionError(message + reply.message)
+                    raise ConnectionError(message + reply.message)
+                return reply
+            if self.monitor in events:
+                for event, value in self.events():
+                    if failure := self._handshake_failure(event, value):
+                        raise failure
+
+    def _handshake_failure(self, event: int, value: int) -> Exception | None:
+        where = f"the engine at {self.address}"
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return PermissionError(f"{where} refused the auth token")
+        if event not in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+            return None
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            if self.secure:
+                return PermissionError(
+                    f"{where} refused the auth token: it does not use one (connect without)"
+                )
+            return PermissionError(
+                f"{where} refused the connection: it requires an auth token (auth_token=...)"
+            )
+        if self.secure:  # a wrong token derives a wrong server key: the engine hangs up
+            return PermissionError(f"{where} refused the auth token")
+        # A CURVE server may hang up on a plain client before the mechanisms are compared.
+        return PermissionError(
+            f"{where} refused the connection (the ZMQ handshake failed, error {value}): "
+            "it probably requires an auth token (auth_token=...)"
+        )
+
+    def events(self) -> list[tuple[int, int]]:
+        """The monitor events waiting now, as ``(event, value)`` pairs."""
+        assert self.monitor is not None
+        events = []
+        while True:
+            try:
+                msg = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return events
+            events.append((int(msg["event"]), int(msg["value"])))
+
+    def disconnected(self) -> bool:
+        return any(event == zmq.EVENT_DISCONNECTED for event, _ in self.events())
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close both sockets; ``linger_ms``: how long queued frames may still go out (in
+        the background: the shared context is never terminated, so nothing waits)."""
+        if self.monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disable_monitor()
+            self.monitor.close(linger=0)
+        self.sock.close(linger=linger_ms)
+
+
+# -- the connection and its I/O thread --------------------------------------------------------
 
 
 class _Connection:
-    """Sockets, handshake and the I/O thread shared by Client and AsyncClient."""
+    """Both dealers of one client and the I/O thread that owns them.
 
-    def __init__(self, address: str, timeout: float, client_id: str | None) -> None:
+    Caller side (any thread): ``submit``, ``send``, ``abort``, ``query``, ``close``.
+    Everything a caller sends goes through the outbox; only the I/O thread touches sockets.
+    ``abandon`` (the client object's finalizer) only sets a flag.
+    """
+
+    def __init__(
+        self, address: str, *, timeout: float, client_id: str | None, auth_token: str | None
+    ) -> None:
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
-        self.ctx = zmq.Context(io_threads=1)
-        self.sinks: dict[str, Sink] = {}
-        self.queries: dict[int, queue.SimpleQueue] = {}
-        self.query_ids = itertools.count()
-        self.dead: str | None = None
-        self.lock = threading.Lock()
-        self.closed = False
+        self.address = connectable(address)
+        self.sinks: dict[str, Sink] = {}  # request id -> where its deltas go
+        self.queries: dict[int, Sink] = {}  # query id -> where the reply goes
+        self.dead: str | None = None  # why the engine is gone, once it is
+        self._query_ids = itertools.count()
+        self._outbox: deque[bytes] = deque()
+        self._lock = threading.Lock()  # guards _ending and the wake pipe
+        self._ending: tuple[type[Exception], str] | None = None  # set once: no more sends
+        self._abandoned = False
+        self._pid = os.getpid()
+        deadline = _Deadline(timeout)
+        hello = encoder.encode(Hello(self.client_id))
+        ctx = _context()
+        dealers: list[_Dealer] = []
         try:
-            self.requests = self._dealer(address)
-            self.info = self._handshake(self.requests, scheduler_reply_decoder(), timeout)
-            assert isinstance(self.info, EngineInfo)
-            self.outputs = self._dealer(self.info.output_address)
-            self._handshake(self.outputs, output_reply_decoder(), timeout)
+            dealers.append(_Dealer(ctx, self.address, self.client_id, auth_token))
+            info = dealers[0].handshake(hello, scheduler_reply_decoder(), deadline)
+            if not isinstance(info, EngineInfo):
+                raise ConnectionError(f"{self.address} answered hello with {type(info).__name__}")
+            self.info = info
+            self.output_address = output_address(self.address, info.output_address)
+            dealers.append(_Dealer(ctx, self.output_address, self.client_id, auth_token))
+            dealers[1].handshake(hello, output_reply_decoder(), deadline)
         except BaseException:
-            self.ctx.destroy(linger=0)
+            for dealer in dealers:
+                dealer.close()
             raise
-        self.monitors = [
-            s.get_monitor_socket(zmq.EVENT_DISCONNECTED) for s in (self.requests, self.outputs)
-        ]
-        pipe = f"inproc://tx-{self.client_id}"
-        self.rx = self.ctx.socket(zmq.PAIR)
-        self.rx.bind(pipe)
-        self.tx = self.ctx.socket(zmq.PAIR)
-        self.tx.connect(pipe)
-        self.thread = threading.Thread(target=self._run, name="mpengine-client-io", daemon=True)
+        self._requests, self._outputs = dealers
+        limit = info.max_request_bytes // 2 if info.max_request_bytes else ABORT_CHUNK_BYTES
+        self.abort_chunk_bytes = max(512, min(ABORT_CHUNK_BYTES, limit))
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.thread = threading.Thread(
+            target=self._run, name=f"mpengine-client-io-{self.client_id}", daemon=True
+        )
         self.thread.start()
 
-    def _dealer(self, address: str) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, self.client_id.encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(address)
-        return sock
+    # -- caller side ---------------------------------------------------------------------
 
-    def _handshake(self, sock: zmq.Socket, decoder, timeout: float):
-        sock.send(encoder.encode(Hello(self.client_id)))
-        if not sock.poll(int(timeout * 1000)):
-            raise ConnectionError(f"no engine answered at {sock.LAST_ENDPOINT!r} in {timeout} s")
-        return decoder.decode(sock.recv())
+    @property
+    def closed(self) -> bool:
+        """No more requests can be sent (closed, dropped, or the engine is gone)."""
+        return self._ending is not None
 
-    # -- the I/O thread -------------------------------------------------------------------
+    def _enqueue(self, frames: Iterable[bytes]) -> None:
+        """Queue frames for the I/O thread and wake it; the caller holds the lock."""
+        if self._pid != os.getpid():
+            raise ClientClosedError("this client was created before a fork: make a new one")
+        if self._ending is not None:
+            kind, reason = self._ending
+            raise kind(reason)
+        self._outbox.extend(frames)
+        with contextlib.suppress(BlockingIOError):  # a full pipe wakes the thread anyway
+            os.write(self._wake_w, b"\0")
 
-    def _run(self) -> None:
-        replies, outputs = scheduler_reply_decoder(), output_reply_decoder()
-        poller = zmq.Poller()
-        for sock in (self.requests, self.outputs, self.rx, *self.monitors):
-            poller.register(sock, zmq.POLLIN)
-        while not self.closed:
-            events = dict(poller.poll(100))
-            if self.rx in events:
-                while True:
-                    try:
-                        frame = self.rx.recv(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    if not frame.bytes:
-                        return  # close()
-                    self.requests.send(frame, copy=False)
-            if self.outputs in events:
-                while True:
-                    try:
-                        msg = outputs.decode(self.outputs.recv(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                    if isinstance(msg, OutputBatch):
-                        for delta in msg.deltas:
-                            self._deliver(delta.request_id, delta)
-            if self.requests in events:
-                while True:
-                    try:
-                        msg = replies.decode(self.requests.recv(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                    if isinstance(msg, RequestError):
-                        self._deliver(msg.request_id, InvalidRequestError(msg.message), final=True)
-                    elif isinstance(msg, EngineStats) and msg.query_id in self.queries:
-                        self.queries.pop(msg.query_id).put(msg)
-            if any(m in events for m in self.monitors):
-                self.fail_all("the engine closed its connection (it stopped or died)")
-                return
-
-    def _deliver(self, request_id: str, item: object, final: bool = False) -> None:
-        sink = self.sinks.get(request_id)
-        if sink is None:
-            return
-        if final:
-            self.sinks.pop(request_id, None)
-        sink(item)
-
-    def fail_all(self, reason: str) -> None:
-        if self.dead is None:
-            self.dead = reason
-        sinks, self.sinks = self.sinks, {}
-        for sink in sinks.values():
-            sink(EngineDeadError(reason))
-        for q in self.queries.values():
-            q.put(EngineDeadError(reason))
-
-    # -- caller side ----------------------------------------------------------------------
+    def _encode(self, msg: msgspec.Struct) -> bytes:
+        frame = encoder.encode(msg)
+        limit = self.info.max_request_bytes
+        if limit and len(frame) > limit:
+            raise InvalidRequestError(
+                f"request of {len(frame)} bytes exceeds the engine's max_request_bytes ({limit})",
+                "too_large",
+            )
+        return frame
 
     def send(self, msg: msgspec.Struct) -> None:
-        frame = encoder.encode(msg)
-        if len(frame) > self.info.max_request_bytes:
-            raise InvalidRequestError(
-                f"request of {len(frame)} bytes exceeds the engine's max_request_bytes "
-                f"({self.info.max_request_bytes})"
-            )
-        with self.lock:
-            if self.dead:
-                raise EngineDeadError(self.dead)
-            self.tx.send(frame)
+        """Send one message to the scheduler."""
+        frame = self._encode(msg)
+        with self._lock:
+            self._enqueue((frame,))
 
     def submit(self, request: AddRequest, sink: Sink) -> None:
-        if request.request_id in self.sinks:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        self.sinks[request.request_id] = sink
-        try:
-            self.send(request)
-        except BaseException:
-            self.sinks.pop(request.request_id, None)
-            raise
+        """Send a request; its deltas (or an exception) will be passed to ``sink``."""
+        frame = self._encode(request)
+        with self._lock:
+            if request.request_id in self.sinks:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+            self.sinks[request.request_id] = sink  # before the frame can go out
+            try:
+                self._enqueue((frame,))
+            except BaseException:
+                del self.sinks[request.request_id]
+                raise
 
     def forget(self, request_id: str) -> None:
+        """Deliver nothing more for this request."""
         self.sinks.pop(request_id, None)
 
-    def stats(self, timeout: float) -> EngineStats:
-        query_id = next(self.query_ids)
-        reply: queue.SimpleQueue = queue.SimpleQueue()
-        self.queries[query_id] = reply
-        self.send(StatsQuery(query_id))
-        try:
-            result = reply.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no stats from the engine in {timeout} s") from None
-        finally:
-            self.queries.pop(query_id, None)
-        if isinstance(result, Exception):
-            raise result
-        return result
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort these requests on the engine (in frames of bounded size; their final
+        deltas still come); nothing to do once the connection is closed."""
+        if request_ids:
+            with self._lock:
+                if self._ending is None:
+                    self._enqueue(abort_frames(request_ids, self.abort_chunk_bytes))
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        pending = list(self.sinks)
-        if pending and not self.dead:
-            with contextlib.suppress(EngineDeadError, zmq.ZMQError):
-                self.send(Abort(pending))
-        with self.lock:
-            self.tx.send(b"")
-        self.thread.join(5.0)
-        self.closed = True
-        for sock in (*self.monitors, self.rx, self.tx, self.requests, self.outputs):
-            sock.close(linger=0)
-        self.ctx.term()
+    def query(self, make: Callable[[int], msgspec.Struct], sink: Sink) -> int:
+        """Send ``make(query_id)``; the engine's reply (or an exception) goes to ``sink``.
+        The caller removes ``queries[query_id]`` when it stops waiting."""
+        query_id = next(self._query_ids)
+        frame = encoder.encode(make(query_id))
+        with self._lock:
+            self.queries[query_id] = sink
+            try:
+                self._enqueue((frame,))
+            except BaseException:
+                del self.queries[query_id]
+                raise
+        return query_id
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Abort pending requests (they fail with ``ClientClosedError``) and stop the
+        I/O thread, waiting for it at most ``timeout`` seconds."""
+        self._end(ClientClosedError, "the client was closed")
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                logger.warning("client %s: the I/O thread did not stop in time", self.client_id)
+
+    def engine_died(self, reason: str) -> None:
+        """The launcher saw the engine die (any thread): fail everything pending now."""
+        self._end(EngineDeadError, reason)
+
+    def abandon(self) -> None:
+        """The client object was garbage-collected. Runs in whatever thread the collector
+        runs in, maybe inside a send holding the lock: only sets a flag for the I/O thread."""
+        self._abandoned = True
+
+    def _end(self, kind: type[Exception], reason: str) -> None:
+        with self._lock:
+            if self._ending is None:
+                self._ending = (kind, reason)
+                with contextlib.suppress(BlockingIOError, OSError):
+                    os.write(self._wake_w, b"\0")
+
+    # -- the I/O thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:
+            logger.exception("client %s: the I/O thread failed", self.client_id)
+            self._end(EngineDeadError, f"the client's I/O thread failed: {exc!r}")
+        finally:
+            self._finish()
+
+    def _serve(self) -> None:
+        requests, outputs = self._requests, self._outputs
+        replies, deltas = scheduler_reply_decoder(), output_reply_decoder()
+        poller = zmq.Poller()
+        for sock in (requests.sock, outputs.sock, requests.monitor, outputs.monitor):
+            poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while True:
+            if self._abandoned:
+                self._end(ClientClosedError, "the client was garbage-collected without close()")
+            if self._ending is not None:
+                return
+            events = dict(poller.poll(POLL_MS))
+            if self._wake_r in events:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._wake_r, 4096):
+                        pass
+            self._flush()
+            if outputs.sock in events:
+                self._receive(outputs.sock, deltas, self._on_output)
+            if requests.sock in events:
+                self._receive(requests.sock, replies, self._on_reply)
+            if (requests.monitor in events and requests.disconnected()) or (
+                outputs.monitor in events and outputs.disconnected()
+            ):
+                self._end(EngineDeadError, "the engine closed its connection (it stopped or died)")
+            self._flush()  # aborts of requests whose delivery failed
+
+    def _flush(self) -> bool:
+        """Send the outbox to the scheduler; whether anything was sent."""
+        sent = False
+        while self._outbox:
+            try:
+                self._requests.sock.send(self._outbox[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return sent  # retried on the next turn
+            except zmq.ZMQError as exc:
+                logger.warning("client %s: a frame could not be sent: %s", self.client_id, exc)
+            self._outbox.popleft()
+            sent = True
+        return sent
+
+    def _receive(
+        self, sock: zmq.Socket, decoder: msgspec.msgpack.Decoder, handle: Callable[[Any], None]
+    ) -> None:
+        """Handle the frames waiting on ``sock``; one that fails fails only its requests."""
+        for _ in range(MAX_FRAMES_PER_TURN):
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                handle(decoder.decode(frame))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._undecodable(frame, exc)
+            except Exception:
+                logger.exception("client %s: failed to handle a frame", self.client_id)
+
+    def _undecodable(self, frame: bytes, exc: Exception) -> None:
+        request_ids, query_ids = _ids_in_bad_frame(frame)
+        logger.warning(
+            "client %s: dropped a frame from the engine that does not decode (%s); "
+            "failing requests %s and queries %s",
+            self.client_id,
+            exc,
+            request_ids,
+            query_ids,
+        )
+        error = ProtocolError(f"a reply from the engine could not be decoded: {exc}")
+        for request_id in request_ids:
+            self._deliver(request_id, error, final=True)
+            self._outbox.extend(abort_frames([request_id], self.abort_chunk_bytes))
+        for query_id in query_ids:
+            if (sink := self.queries.pop(query_id, None)) is not None:
+                self._call(sink, error)
+
+    def _on_output(self, msg: object) -> None:
+        if isinstance(msg, OutputBatch):
+            for delta in msg.deltas:
+                self._deliver(delta.request_id, delta)
+        elif isinstance(msg, RequestError):
+            self._on_error(msg)
+
+    def _on_reply(self, msg: object) -> None:
+        if isinstance(msg, RequestError):
+            self._on_error(msg)
+        elif isinstance(msg, EngineStats | TokenizerFile) and (
+            sink := self.queries.pop(msg.query_id, None)
+        ):
+            self._call(sink, msg)
+
+    def _on_error(self, error: RequestError) -> None:
+        if error.request_id:
+            self._deliver(error.request_id, _request_error(error), final=True)
+        else:
+            logger.warning("client %s: the engine says: %s", self.client_id, error.message)
+
+    def _deliver(self, request_id: str, item: object, final: bool = False) -> None:
+        sink = self.sinks.pop(request_id, None) if final else self.sinks.get(request_id)
+        if sink is not None and not self._call(sink, item):
+            # Nobody can receive this request's outputs (its event loop is closed...).
+            logger.warning("client %s: aborting request %r", self.client_id, request_id)
+            self.sinks.pop(request_id, None)
+            self._outbox.extend(abort_frames([request_id], self.abort_chunk_bytes))
+
+    def _call(self, sink: Sink, item: object) -> bool:
+        try:
+            sink(item)
+            return True
+        except Exception:
+            logger.warning("client %s: a receiver failed", self.client_id, exc_info=True)
+            return False
+
+    def _finish(self) -> None:
+        """Last act of the I/O thread: abort what is pending (if the engine lives), fail
+        every waiter, close the sockets."""
+        with self._lock:
+            if self._ending is None:
+                self._ending = (EngineDeadError, "the client's I/O thread stopped")
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        kind, reason = self._ending
+        sinks, self.sinks = self.sinks, {}
+        queries, self.queries = self.queries, {}
+        linger = 0
+        if kind is EngineDeadError:
+            self.dead = reason
+            self._outbox.clear()
+        else:
+            self._outbox.extend(abort_frames(list(sinks), self.abort_chunk_bytes))
+            if self._flush():
+                linger = ABORT_LINGER_MS
+        for sink in (*sinks.values(), *queries.values()):
+            self._call(sink, kind(reason))
+        self._requests.close(linger)
+        self._outputs.close()
+
+
+# -- waiting for replies, sync and async ------------------------------------------------------
+
+
+def _threadsafe_put(loop: asyncio.AbstractEventLoop, items: asyncio.Queue) -> Sink:
+    """A sink for the I/O thread that puts into an asyncio queue (raises RuntimeError once
+    the loop is closed, which makes the I/O thread drop and abort the request)."""
+    return lambda item: loop.call_soon_threadsafe(items.put_nowait, item)
+
+
+async def _within(awaitable: Any, deadline: _Deadline, what: str) -> Any:
+    remaining = deadline.remaining()
+    if remaining is None:
+        return await awaitable
+    try:
+        return await asyncio.wait_for(awaitable, remaining)
+    except asyncio.TimeoutError:
+        raise deadline.error(what) from None
+
+
+def _unwrap(item: T | BaseException) -> T:
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
+def _query(conn: _Connection, make: Callable[[int], msgspec.Struct], timeout: float) -> Any:
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+    query_id = conn.query(make, replies.put)
+    try:
+        return _unwrap(replies.get(timeout=timeout))
+    except queue.Empty:
+        raise _Deadline(timeout).error(f"no reply to {make.__name__}") from None
+    finally:
+        conn.queries.pop(query_id, None)
+
+
+async def _aquery(conn: _Connection, make: Callable[[int], msgspec.Struct], timeout: float) -> Any:
+    replies: asyncio.Queue = asyncio.Queue()
+    query_id = conn.query(make, _threadsafe_put(asyncio.get_running_loop(), replies))
+    try:
+        deadline = _Deadline(timeout)
+        return _unwrap(await _within(replies.get(), deadline, f"no reply to {make.__name__}"))
+    finally:
+        conn.queries.pop(query_id, None)
+
+
+class _Request:
+    """One submitted request seen from its caller."""
+
+    def __init__(self, conn: _Connection, request: AddRequest, sink: Sink) -> None:
+        self.conn = conn
+        self.request_id = request.request_id
+        self.assembly = _Assembly(request)
+        self.failed = False
+        conn.submit(request, sink)
+
+    @property
+    def finished(self) -> bool:
+        return self.assembly.output.finished
+
+    @property
+    def open(self) -> bool:
+        """Still running on the engine as far as we know."""
+        return not self.finished and not self.failed
+
+    def _take(self, item: OutputDelta | BaseException) -> RequestOutput:
+        if isinstance(item, BaseException):
+            self.failed = True
+            raise item
+        delta = self.assembly.add(item)
+        if delta.finished:
+            self.conn.forget(self.request_id)
+        return delta
+
+    def cancel(self) -> None:
+        """The caller stopped waiting: forget the request, abort it if still running."""
+        self.conn.forget(self.request_id)
+        if self.open:
+            self.conn.abort([self.request_id])
+
+
+class _SyncRequest(_Request):
+    def __init__(self, conn: _Connection, request: AddRequest) -> None:
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+        super().__init__(conn, request, self.items.put)
+
+    def next(self, deadline: _Deadline) -> RequestOutput:
+        try:
+            item = self.items.get(timeout=deadline.remaining())
+        except queue.Empty:
+            raise deadline.error(f"request {self.request_id!r} aborted: not finished") from None
+        return self._take(item)
+
+    def result(self, deadline: _Deadline) -> RequestOutput:
+        while not self.finished:
+            self.next(deadline)
+        return self.assembly.output
+
+
+class _AsyncRequest(_Request):
+    def __init__(self, conn: _Connection, request: AddRequest) -> None:
+        self.items: asyncio.Queue = asyncio.Queue()
+        super().__init__(conn, request, _threadsafe_put(asyncio.get_running_loop(), self.items))
+
+    async def next(self, deadline: _Deadline) -> RequestOutput:
+        what = f"request {self.request_id!r} aborted: not finished"
+        return self._take(await _within(self.items.get(), deadline, what))
+
+    async def result(self, deadline: _Deadline) -> RequestOutput:
+        while not self.finished:
+            await self.next(deadline)
+        return self.assembly.output
+
+
+# -- the public clients ----------------------------------------------------------------------
 
 
 class _ClientBase:
-    def __init__(self, address: str, timeout: float, client_id: str | None) -> None:
-        self._conn = _Connection(address, timeout, client_id)
-        self._tokenizer = None
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float = 30.0,
+        client_id: str | None = None,
+        auth_token: str | None = None,
+    ) -> None:
+        self._conn = _Connection(
+            address, timeout=timeout, client_id=client_id, auth_token=auth_token
+        )
+        self._timeout = timeout
+        self._tokenizer: Tokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
         self._ids = itertools.count()
+        # Dropped without close(): the I/O thread aborts what is pending and stops. (The
+        # callbacks hold the connection, never this object.)
+        weakref.finalize(self, self._conn.abandon)
+        conn = weakref.ref(self._conn)
+
+        def engine_died(reason: str) -> None:
+            if (c := conn()) is not None:
+                c.engine_died(reason)
+
+        self._engine_died = engine_died  # for Engine.on_death
 
     @property
     def info(self) -> EngineInfo:
+        """What the engine said about itself at the handshake."""
         return self._conn.info
 
     @property
@@ -351,12 +913,22 @@ class _ClientBase:
         return self._conn.client_id
 
     def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` with the engine's tokenizer (loaded in this process)."""
+        """Token ids of ``text`` with the engine's tokenizer (fetched from the engine once
+        per client, so this works from any host)."""
         if self._tokenizer is None:
-            from tokenizers import Tokenizer
-
-            self._tokenizer = Tokenizer.from_file(str(Path(self.info.tokenizer) / "tokenizer.json"))
+            with self._tokenizer_lock:
+                if self._tokenizer is None:
+                    reply = _query(self._conn, TokenizerQuery, self._timeout)
+                    self._tokenizer = self._load_tokenizer(reply)
         return self._tokenizer.encode(text).ids
+
+    @staticmethod
+    def _load_tokenizer(reply: TokenizerFile) -> Tokenizer:
+        from tokenizers import Tokenizer
+
+        if not reply.data:
+            raise RuntimeError("the engine has no tokenizer.json to share: send token ids")
+        return Tokenizer.from_str(reply.data.decode())
 
     def _request(
         self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
@@ -366,72 +938,30 @@ class _ClientBase:
         request_id = request_id or f"{self.client_id}-{next(self._ids)}"
         return AddRequest(request_id, Array.of(ids), params, arrival_time=time.time())
 
-    def _engine_died(self, reason: str) -> None:
-        self._conn.fail_all(reason)
-
     def abort(self, request_id: str) -> None:
         """Stop a request; its output finishes with reason ``abort``."""
-        self._conn.send(Abort([request_id]))
+        self._conn.abort([request_id])
 
     def close(self) -> None:
-        """Abort this client's pending requests and close its sockets."""
+        """Abort this client's pending requests (their callers get ``ClientClosedError``)
+        and close its sockets. Idempotent; also done when the client is garbage-collected."""
         self._conn.close()
 
-    def __enter__(self):
+    def __enter__(self: T) -> T:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-class _Handle:
-    """One submitted request seen from a blocking caller."""
-
-    def __init__(self, conn: _Connection, request: AddRequest) -> None:
-        self.conn = conn
-        self.request_id = request.request_id
-        self.items: queue.SimpleQueue = queue.SimpleQueue()
-        self.assembly = _Assembly(request)
-        conn.submit(request, self.items.put)
-
-    @property
-    def finished(self) -> bool:
-        return self.assembly.output.finished
-
-    def next_delta(self, deadline: float | None) -> RequestOutput:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            item = self.items.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"request {self.request_id}: no output in time") from None
-        if isinstance(item, Exception):
-            raise item
-        delta = self.assembly.add(item)
-        if delta.finished:
-            self.conn.forget(self.request_id)
-        return delta
-
-    def result(self, deadline: float | None) -> RequestOutput:
-        while not self.finished:
-            self.next_delta(deadline)
-        return self.assembly.output
-
-    def cancel(self) -> None:
-        """Abort if still running (the caller stopped listening)."""
-        if not self.finished and not self.conn.dead and not self.conn.closed:
-            self.conn.forget(self.request_id)
-            self.conn.send(Abort([self.request_id]))
-
-
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
 class Client(_ClientBase):
-    """Blocking client. Thread-safe: many threads may generate at once."""
+    """Blocking client. Thread-safe: many threads may generate at once.
 
-    def __init__(self, address: str, *, timeout: float = 30.0, client_id: str | None = None):
-        super().__init__(address, timeout, client_id)
+    ``address``: the engine's request address (``engine.address``; ``ipc://...`` or
+    ``tcp://host:port``). ``timeout``: seconds for the handshake (and tokenizer fetch).
+    ``client_id``: the routing id (default: random; must be unique among connections).
+    ``auth_token``: the engine's ``auth_token``, if it has one.
+    """
 
     def stream(
         self,
@@ -442,14 +972,15 @@ class Client(_ClientBase):
         timeout: float | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield each delta as the engine produces it (the last has ``finished``).
-        Leaving the loop early aborts the request."""
-        handle = _Handle(self._conn, self._request(prompt, params, request_id))
-        deadline = _deadline(timeout)
+        Leaving the loop early, or ``timeout`` seconds passing (``TimeoutError``), aborts
+        the request."""
+        deadline = _Deadline(timeout)
+        request = _SyncRequest(self._conn, self._request(prompt, params, request_id))
         try:
-            while not handle.finished:
-                yield handle.next_delta(deadline)
+            while not request.finished:
+                yield request.next(deadline)
         finally:
-            handle.cancel()
+            request.cancel()
 
     def generate(
         self,
@@ -459,7 +990,8 @@ class Client(_ClientBase):
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> RequestOutput:
-        """Run one request to completion."""
+        """Run one request to completion; after ``timeout`` seconds abort it and raise
+        ``TimeoutError``."""
         return self.generate_many([prompt], params, timeout=timeout, request_ids=[request_id])[0]
 
     def generate_many(
@@ -470,31 +1002,39 @@ class Client(_ClientBase):
         timeout: float | None = None,
         request_ids: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Submit every prompt at once (so they batch); return the outputs in order."""
+        """Submit every prompt at once (so they batch); return the outputs in order. After
+        ``timeout`` seconds (for all of them) abort the unfinished and raise ``TimeoutError``."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         ids = request_ids or [None] * len(prompts)
-        deadline = _deadline(timeout)
-        handles: list[_Handle] = []
+        deadline = _Deadline(timeout)
+        requests: list[_SyncRequest] = []
         try:
             for prompt, p, rid in zip(prompts, params, ids, strict=True):
-                handles.append(_Handle(self._conn, self._request(prompt, p, rid)))
-            return [h.result(deadline) for h in handles]
+                requests.append(_SyncRequest(self._conn, self._request(prompt, p, rid)))
+            return [r.result(deadline) for r in requests]
         finally:
-            for handle in handles:
-                handle.cancel()
+            for r in requests:
+                self._conn.forget(r.request_id)
+            self._conn.abort([r.request_id for r in requests if r.open])
 
     def stats(self, timeout: float = 10.0) -> EngineStats:
         """The scheduler's counters: queues, free blocks, preemptions..."""
-        return self._conn.stats(timeout)
+        return _query(self._conn, StatsQuery, timeout)
 
 
 class AsyncClient(_ClientBase):
     """asyncio client over the same connection machinery (the I/O thread hands deltas to
-    the event loop)."""
+    the event loop each request was made from; one client may serve several loops, one
+    after the other or at once). Arguments as for ``Client``."""
 
-    def __init__(self, address: str, *, timeout: float = 30.0, client_id: str | None = None):
-        super().__init__(address, timeout, client_id)
+    async def _arequest(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
+    ) -> _AsyncRequest:
+        if isinstance(prompt, str) and self._tokenizer is None:
+            reply = await _aquery(self._conn, TokenizerQuery, self._timeout)
+            self._tokenizer = self._tokenizer or self._load_tokenizer(reply)
+        return _AsyncRequest(self._conn, self._request(prompt, params, request_id))
 
     async def stream(
         self,
@@ -502,11 +1042,17 @@ class AsyncClient(_ClientBase):
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield each delta as the engine produces it; leaving early aborts the request."""
-        request = self._request(prompt, params, request_id)
-        async for delta in self._run(request, _Assembly(request)):
-            yield delta
+        """Yield each delta as the engine produces it. Leaving early, or ``timeout`` seconds
+        passing (``TimeoutError``), aborts the request."""
+        deadline = _Deadline(timeout)
+        request = await self._arequest(prompt, params, request_id)
+        try:
+            while not request.finished:
+                yield await request.next(deadline)
+        finally:
+            request.cancel()
 
     async def generate(
         self,
@@ -514,28 +1060,23 @@ class AsyncClient(_ClientBase):
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        timeout: float | None = None,
     ) -> RequestOutput:
-        """Run one request to completion."""
-        request = self._request(prompt, params, request_id)
-        assembly = _Assembly(request)
-        async for _ in self._run(request, assembly):
-            pass
-        return assembly.output
-
-    async def _run(self, request: AddRequest, assembly: _Assembly) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
-        items: asyncio.Queue = asyncio.Queue()
-        self._conn.submit(request, lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
+        """Run one request to completion; after ``timeout`` seconds abort it and raise
+        ``TimeoutError``."""
+        deadline = _Deadline(timeout)
+        request = await self._arequest(prompt, params, request_id)
         try:
-            while not assembly.output.finished:
-                item = await items.get()
-                if isinstance(item, Exception):
-                    raise item
-                yield assembly.add(item)
+            return await request.result(deadline)
         finally:
-            self._conn.forget(request.request_id)
-            if not assembly.output.finished and not self._conn.dead and not self._conn.closed:
-                self._conn.send(Abort([request.request_id]))
+            request.cancel()
 
     async def stats(self, timeout: float = 10.0) -> EngineStats:
-        return await asyncio.to_thread(self._conn.stats, timeout)
+        """The scheduler's counters: queues, free blocks, preemptions..."""
+        return await _aquery(self._conn, StatsQuery, timeout)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,495 @@
+"""The client library: lifetime (dropped clients, dead engines), an I/O thread that survives
+bad deliveries, timeouts, chunked aborts, the handshake, tcp from another host, auth tokens.
+
+Tests that need no real engine talk to ``FakeEngine``: two ROUTER sockets played by a
+thread of the test, which answers greetings, records what the client sends and sends what
+the test asks for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import queue
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+import zmq
+
+import mpengine
+from mpengine.client import ClientClosedError, ProtocolError, abort_frames, output_address
+from mpengine.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    AddRequest,
+    Array,
+    EngineInfo,
+    EngineStats,
+    Hello,
+    OutputBatch,
+    OutputDelta,
+    RequestError,
+    SamplingParams,
+    StatsQuery,
+    client_request_decoder,
+    encoder,
+)
+from mpengine.testing.engine import wait_idle
+
+PROMPT = "The old lighthouse keeper looked at the sea and said"
+LONG = SamplingParams(max_tokens=2000, temperature=1.0, ignore_eos=True)
+ASYNC_LIMIT_S = 30.0  # bounds every await of an asyncio test
+
+
+# -- a fake engine ---------------------------------------------------------------------------
+
+
+def final_delta(request_id: str) -> bytes:
+    delta = OutputDelta(request_id, 0, Array.of([5]), "x", finish_reason="length")
+    return encoder.encode(OutputBatch([delta]))
+
+
+class FakeEngine:
+    """Answers ``Hello`` (with ``hello_reply`` if given, ``"ignore"``: not at all) and, if
+    ``answer_stats``, ``StatsQuery``; ``respond(request)`` returns the frames to send for an
+    ``AddRequest`` as ``("out" | "req", frame)`` pairs. Everything received is recorded."""
+
+    def __init__(
+        self,
+        tmp_path,
+        *,
+        hello_reply: RequestError | str | None = None,
+        answer_stats: bool = True,
+        respond: Callable[[AddRequest], list[tuple[str, bytes]]] | None = None,
+        max_request_bytes: int = 1 << 20,
+    ) -> None:
+        self.address = f"ipc://{tmp_path}/requests.sock"
+        self.info = EngineInfo(
+            engine_id="fake",
+            model="fake",
+            tokenizer="",
+            vocab_size=100,
+            max_model_len=1000,
+            block_size=16,
+            num_blocks=10,
+            max_num_seqs=4,
+            max_num_batched_tokens=100,
+            eos_token_ids=[2],
+            runtime="fake",
+            async_depth=0,
+            request_address=self.address,
+            output_address=f"ipc://{tmp_path}/outputs.sock",
+            max_request_bytes=max_request_bytes,
+        )
+        self.hello_reply = hello_reply
+        self.answer_stats = answer_stats
+        self.respond = respond or (lambda request: [])
+        self.received: list[object] = []  # decoded messages on the request socket
+        self.abort_frames: list[bytes] = []
+        self.changed = threading.Condition()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.stop = threading.Event()
+        self.ctx = zmq.Context()
+        self.requests = self._router(self.address)
+        self.outputs = self._router(self.info.output_address)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _router(self, address: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(address)
+        return sock
+
+    def _run(self) -> None:
+        decoder = client_request_decoder()
+        poller = zmq.Poller()
+        poller.register(self.requests, zmq.POLLIN)
+        poller.register(self.outputs, zmq.POLLIN)
+        while not self.stop.is_set():
+            events = dict(poller.poll(10))
+            if self.outputs in events:
+                client, _ = self.outputs.recv_multipart()
+                self.outputs.send_multipart([client, encoder.encode(Hello("fake"))])
+            if self.requests in events:
+                client, frame = self.requests.recv_multipart()
+                self._handle(client, frame, decoder.decode(frame))
+            while not self.outbox.empty():
+                which, client, frame = self.outbox.get()
+                sock = self.outputs if which == "out" else self.requests
+                sock.send_multipart([client, frame])
+
+    def _handle(self, client: bytes, frame: bytes, msg: object) -> None:
+        with self.changed:
+            self.received.append(msg)
+            if isinstance(msg, Abort):
+                self.abort_frames.append(frame)
+            self.changed.notify_all()
+        match msg:
+            case Hello() if self.hello_reply != "ignore":
+                reply = self.hello_reply or self.info
+                self.requests.send_multipart([client, encoder.encode(reply)])
+            case StatsQuery() if self.answer_stats:
+                stats = EngineStats(msg.query_id, *([0] * 12))
+                self.requests.send_multipart([client, encoder.encode(stats)])
+            case AddRequest():
+                for which, reply in self.respond(msg):
+                    self.outbox.put((which, client, reply))
+
+    def wait_for(self, predicate: Callable[[list[object]], bool], timeout: float = 10.0) -> None:
+        with self.changed:
+            assert self.changed.wait_for(lambda: predicate(self.received), timeout), (
+                "the fake engine did not receive what was expected"
+            )
+
+    def aborted(self) -> set[str]:
+        return {i for m in self.received if isinstance(m, Abort) for i in m.request_ids}
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def fake(tmp_path) -> Iterator[Callable[..., FakeEngine]]:
+    fakes: list[FakeEngine] = []
+
+    def make(**kwargs) -> FakeEngine:
+        fakes.append(FakeEngine(tmp_path / str(len(fakes)), **kwargs))
+        return fakes[-1]
+
+    for i in range(3):
+        (tmp_path / str(i)).mkdir()
+    yield make
+    for f in fakes:
+        f.close()
+
+
+def add_request(request_id: str) -> AddRequest:
+    return AddRequest(request_id, Array.of([1, 2, 3]), LONG)
+
+
+# -- pure client behaviour (fake engine) -----------------------------------------------------
+
+
+def test_addresses_and_abort_frames():
+    assert output_address("tcp://10.1.2.3:5555", "tcp://*:5556") == "tcp://10.1.2.3:5556"
+    assert output_address("tcp://gpu-box:5555", "tcp://0.0.0.0:5556") == "tcp://gpu-box:5556"
+    assert output_address("tcp://[::1]:5555", "tcp://[::]:5556") == "tcp://[::1]:5556"
+    advertised = "tcp://public.example:5556"
+    assert output_address("tcp://10.1.2.3:5555", advertised) == advertised
+    assert output_address("ipc:///x/requests.sock", "ipc:///x/outputs.sock").endswith(
+        "outputs.sock"
+    )
+    ids = [f"{i:0200d}" for i in range(3000)]
+    frames = abort_frames(ids, 32 * 1024)
+    assert all(len(f) <= 32 * 1024 for f in frames) and len(frames) > 10
+    decoded = [msgspec.msgpack.decode(f, type=Abort) for f in frames]
+    assert [i for a in decoded for i in a.request_ids] == ids
+
+
+@pytest.mark.parametrize(
+    "reply, error",
+    [
+        (RequestError("", "protocol version 3 is not supported", "invalid"), ConnectionError),
+        (RequestError("", "bad token", "unauthorized"), PermissionError),
+    ],
+)
+def test_refused_hello_raises_a_clear_error(fake, reply, error):
+    engine = fake(hello_reply=reply)
+    with pytest.raises(error, match=reply.message):
+        mpengine.Client(engine.address, timeout=5)
+    hello = engine.received[0]
+    assert isinstance(hello, Hello) and hello.protocol_version == PROTOCOL_VERSION
+
+
+def test_unanswered_hello_times_out_naming_client_id(fake):
+    engine = fake(hello_reply="ignore")
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="client_id"):
+        mpengine.Client(engine.address, timeout=0.5)
+    assert time.monotonic() - start < 3
+
+
+def test_io_thread_survives_bad_frames_and_failing_receivers(fake):
+    def respond(request: AddRequest) -> list[tuple[str, bytes]]:
+        rid = request.request_id
+        if rid == "garbage-first":  # undecodable bytes on both sockets, then the answer
+            return [("out", b"\xc1\x00garbage"), ("req", b"\xff"), ("out", final_delta(rid))]
+        if rid == "bad-batch":  # msgpack that fails validation: only this request fails
+            return [("out", msgspec.msgpack.encode(["OutputBatch", [["OutputDelta", rid, "?"]]]))]
+        return [("out", final_delta(rid))]
+
+    engine = fake(respond=respond)
+    with mpengine.Client(engine.address, timeout=5) as client:
+        thread = client._conn.thread
+
+        def failing_sink(item: object) -> None:
+            raise RuntimeError("the receiver is broken")
+
+        client._conn.submit(add_request("broken-sink"), failing_sink)
+        engine.wait_for(lambda _: "broken-sink" in engine.aborted())
+        out = client.generate([1, 2], request_id="garbage-first", timeout=10)
+        assert out.finished and out.text == "x"
+        with pytest.raises(ProtocolError):
+            client.generate([1, 2], request_id="bad-batch", timeout=10)
+        engine.wait_for(lambda _: "bad-batch" in engine.aborted())
+        assert client.generate([1, 2], request_id="after", timeout=10).finished
+        assert thread.is_alive()
+
+
+def test_timeouts_raise_and_abort(fake):
+    engine = fake(answer_stats=False)  # answers hellos only
+    with mpengine.Client(engine.address, timeout=5) as client:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            client.stats(timeout=0.2)
+        with pytest.raises(TimeoutError):
+            client.generate([1, 2], LONG, request_id="g", timeout=0.2)
+        with pytest.raises(TimeoutError):
+            list(client.stream([1, 2], LONG, request_id="s", timeout=0.2))
+        with pytest.raises(TimeoutError):
+            client.generate_many([[1], [2]], LONG, timeout=0.2, request_ids=["m1", "m2"])
+        assert time.monotonic() - start < 5
+        engine.wait_for(lambda _: {"g", "s", "m1", "m2"} <= engine.aborted())
+
+    async def main() -> None:
+        async with mpengine.AsyncClient(engine.address, timeout=5) as aclient:
+            with pytest.raises(TimeoutError):
+                await aclient.generate([1, 2], LONG, request_id="ag", timeout=0.2)
+            with pytest.raises(TimeoutError):
+                async for _ in aclient.stream([1, 2], LONG, request_id="as", timeout=0.2):
+                    pass
+            with pytest.raises(TimeoutError):
+                await aclient.stats(timeout=0.2)
+
+    asyncio.run(asyncio.wait_for(main(), ASYNC_LIMIT_S))
+    engine.wait_for(lambda _: {"ag", "as"} <= engine.aborted())
+
+
+def test_close_aborts_thousands_of_requests_in_small_frames(fake):
+    engine = fake(max_request_bytes=100 * 1024)
+    ids = [f"{i:0200d}" for i in range(3000)]
+    client = mpengine.Client(engine.address, timeout=5)
+    for request_id in ids:
+        client._conn.submit(add_request(request_id), lambda item: None)
+    engine.wait_for(lambda got: sum(isinstance(m, AddRequest) for m in got) == len(ids))
+    client.close()
+    engine.wait_for(lambda _: engine.aborted() == set(ids))
+    assert max(len(f) for f in engine.abort_frames) <= min(64 * 1024, 50 * 1024)
+
+
+# -- with a real engine ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(start_engine):
+    # A small frame limit: one Abort of thousands of long ids would exceed it.
+    return start_engine(
+        model="tiny",
+        num_gpu_blocks_override=256,
+        max_num_seqs=32,
+        max_request_bytes=256 * 1024,
+        max_waiting_requests=8192,
+    )
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with engine.client() as client:
+        yield client
+
+
+def assert_idle(client: mpengine.Client, timeout: float = 30.0) -> None:
+    stats = wait_idle(client, timeout=timeout)
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_client_dropped_after_engine_death_never_hangs(start_engine):
+    """A subprocess streams through a client it never closes; the engine is killed under
+    it; the subprocess drops its clients, collects garbage and exits, within the timeout."""
+    doomed = start_engine(model="tiny", num_gpu_blocks_override=64, max_num_seqs=4)
+    script = (
+        "import gc, sys, mpengine\n"
+        "short = mpengine.SamplingParams(max_tokens=2, ignore_eos=True)\n"
+        "long = mpengine.SamplingParams(max_tokens=900, ignore_eos=True)\n"
+        "held = mpengine.Client(sys.argv[1])\n"
+        "held.generate([1, 2, 3], short, timeout=60)\n"
+        "try:\n"
+        "    for i, _ in enumerate(mpengine.Client(sys.argv[1]).stream([1], long, timeout=60)):\n"
+        "        if i == 0:\n"
+        "            print('streaming', flush=True)\n"
+        "except mpengine.EngineDeadError:\n"
+        "    print('engine dead', flush=True)\n"
+        "del held\n"
+        "gc.collect()\n"
+        "print('collected', flush=True)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, doomed.address], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 90)
+        assert ready and proc.stdout.readline().strip() == "streaming"
+        os.kill(doomed.pids["scheduler"], signal.SIGKILL)
+        assert doomed.stopped.wait(30), "the launcher stops the engine"
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0 and out.split() == ["engine", "dead", "collected"]
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_dropped_client_stops_its_thread_and_aborts_its_requests(engine, client):
+    admitted = client.stats().admitted
+    dropped = mpengine.Client(engine.address)
+    thread = dropped._conn.thread
+    dropped._conn.submit(add_request("left-behind"), lambda item: None)
+    deadline = time.monotonic() + 30
+    while client.stats().admitted == admitted:  # until the engine runs it
+        assert time.monotonic() < deadline
+    del dropped
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive(), "the I/O thread of a dropped client ends"
+    assert_idle(client)
+
+
+def test_async_client_outlives_its_event_loops(engine, client):
+    aclient = engine.async_client()
+    try:
+        # 1. asyncio.run ends while a task still streams: the request is aborted.
+        async def leave_streaming() -> None:
+            started = asyncio.Event()
+
+            async def consume() -> None:
+                async for _ in aclient.stream([1, 2, 3], LONG):
+                    started.set()
+
+            asyncio.get_running_loop().create_task(consume())
+            await asyncio.wait_for(started.wait(), ASYNC_LIMIT_S)
+
+        asyncio.run(leave_streaming())
+        # 2. A loop closed under a stream that was never finalized: its next delta meets a
+        # closed loop, which fails (and aborts) that request only.
+        loop = asyncio.new_event_loop()
+        orphan = aclient.stream([1, 2, 3], LONG, request_id="orphan")
+        loop.run_until_complete(asyncio.wait_for(orphan.__anext__(), ASYNC_LIMIT_S))
+        loop.close()
+        assert_idle(client)
+        assert aclient._conn.thread.is_alive()
+
+        async def again() -> mpengine.RequestOutput:
+            return await aclient.generate(PROMPT, SamplingParams(max_tokens=4), timeout=30)
+
+        assert len(asyncio.run(again()).token_ids) == 4
+        asyncio.run(orphan.aclose())
+    finally:
+        aclient.close()
+
+
+def test_timeouts_abort_on_the_engine(client):
+    with pytest.raises(TimeoutError):
+        client.generate([1, 2, 3], LONG, timeout=0.5)
+    with pytest.raises(TimeoutError):
+        for _ in client.stream([1, 2, 3], LONG, timeout=0.5):
+            pass
+
+    async def main() -> None:
+        async with mpengine.AsyncClient(client.info.request_address) as aclient:
+            with pytest.raises(TimeoutError):
+                await aclient.generate([1, 2, 3], LONG, timeout=0.5)
+
+    asyncio.run(asyncio.wait_for(main(), ASYNC_LIMIT_S))
+    assert_idle(client)
+
+
+def test_close_with_thousands_pending_frees_every_block(engine, client):
+    ids = [f"{i:0200d}" for i in range(3000)]
+
+    async def main() -> list[BaseException | mpengine.RequestOutput]:
+        aclient = engine.async_client()
+        tasks = [asyncio.create_task(aclient.generate([1, 2, 3], LONG, request_id=i)) for i in ids]
+        deadline = time.monotonic() + 60
+        while True:  # until the engine holds every request
+            stats = await aclient.stats()
+            if stats.num_waiting + stats.num_running + stats.num_preempted == len(ids):
+                break
+            assert time.monotonic() < deadline, stats
+            await asyncio.sleep(0.05)
+        aclient.close()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(main(), 120))
+    assert all(isinstance(r, ClientClosedError) for r in results)
+    assert_idle(client, timeout=60)
+    assert len(client.generate(PROMPT, SamplingParams(max_tokens=4)).token_ids) == 4
+
+
+def test_duplicate_client_id_fails_fast(engine, client):
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="client_id"):
+        mpengine.Client(engine.address, client_id=client.client_id, timeout=2)
+    assert time.monotonic() - start < 5
+    assert len(client.generate(PROMPT, SamplingParams(max_tokens=4)).token_ids) == 4
+
+
+# -- tcp and authentication ------------------------------------------------------------------
+
+
+def free_port_pair() -> int:
+    """A port P with P + 1 also free (for requests and outputs)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+@pytest.fixture(scope="module")
+def remote(start_engine):
+    """An engine on every interface with an auth token, as a remote client would see it."""
+    port = free_port_pair()
+    engine = start_engine(
+        model="tiny", address=f"tcp://*:{port}", auth_token="s3cret", num_gpu_blocks_override=64
+    )
+    return engine, port
+
+
+def test_tcp_wildcard_engine_serves_text_prompts(remote):
+    engine, port = remote
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with mpengine.Client(f"tcp://127.0.0.1:{port}", auth_token="s3cret", timeout=10) as far:
+        assert far._conn.output_address == f"tcp://127.0.0.1:{port + 1}"
+        out = far.generate(PROMPT, params, timeout=60)
+    with engine.client() as near:  # passes the engine's token itself
+        ids = near.tokenize(PROMPT)
+        assert out.prompt_token_ids == ids
+        assert near.generate(ids, params, timeout=60).token_ids == out.token_ids
+
+
+@pytest.mark.parametrize("token", ["wrong", None])
+def test_wrong_or_missing_token_is_refused_fast(remote, token):
+    engine, port = remote
+    start = time.monotonic()
+    with pytest.raises(PermissionError, match="refused"):
+        mpengine.Client(f"tcp://127.0.0.1:{port}", auth_token=token, timeout=10)
+    assert time.monotonic() - start < 5
+    with engine.client() as ok:
+        assert len(ok.generate([1, 2, 3], SamplingParams(max_tokens=2)).token_ids) == 2
