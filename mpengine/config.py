@@ -18,6 +18,7 @@ Runtime = Literal["processes", "serial"]
 
 GiB = 1 << 30
 MiB = 1 << 20
+ANNOUNCE_SLACK = 64 * 1024  # a NewRequest's bytes beyond its AddRequest's
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -40,14 +41,26 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     seed: int = 0
     engine_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_]{0,16}$")] = ""
     address: str | None = None
-    max_request_bytes: Annotated[int, Meta(ge=1024)] = 16 * MiB
-    ring_bytes: Annotated[int, Meta(ge=64 * 1024)] = 8 * MiB
+    max_request_bytes: Annotated[int, Meta(ge=1024)] = 4 * MiB
+    ring_bytes: Annotated[int, Meta(ge=256 * 1024)] = 8 * MiB
+    max_waiting_requests: Annotated[int, Meta(ge=1)] = 4096
+    max_waiting_tokens: Annotated[int, Meta(ge=1)] = 1 << 20
+    client_send_hwm: Annotated[int, Meta(ge=1)] = 1000
+    auth_token: str | None = None
+    advertise_host: str | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     startup_timeout: Annotated[float, Meta(gt=0)] = 300.0
 
     def __post_init__(self) -> None:
         if self.address and not self.address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"address must be ipc://DIR or tcp://HOST:PORT, got {self.address!r}")
+        # A request is announced to the output processor in one ring frame.
+        if self.ring_bytes < self.max_request_bytes + ANNOUNCE_SLACK:
+            raise ValueError(
+                f"ring_bytes ({self.ring_bytes}) must be at least max_request_bytes "
+                f"({self.max_request_bytes}) + {ANNOUNCE_SLACK}: every request crosses a ring "
+                "in one frame"
+            )
 
     def resolve(self) -> EngineConfig:
         """Derived defaults that need no model: engine id, thread count."""
@@ -102,7 +115,16 @@ HELP = {
     "address": "ipc:///DIR for DIR/requests.sock and DIR/outputs.sock (default: a private "
     "runtime directory), or tcp://HOST:PORT (requests on PORT, outputs on PORT+1)",
     "max_request_bytes": "largest request frame a client may send",
-    "ring_bytes": "capacity of each shared-memory ring",
+    "ring_bytes": "capacity of each shared-memory ring (at least max_request_bytes + 64 KiB; "
+    "plans and results are bounded to fit, see docs/architecture.md)",
+    "max_waiting_requests": "most requests queued before admission; past it a request fails "
+    "at once with an 'overloaded' error",
+    "max_waiting_tokens": "most prompt tokens queued before admission ('overloaded' past it)",
+    "client_send_hwm": "output messages queued for one client that does not read them; past "
+    "it that client's requests are aborted",
+    "auth_token": "a secret every client must present (tcp:// engines reachable by others)",
+    "advertise_host": "host clients should connect to for outputs when the address binds a "
+    "wildcard (default: the host the client used for requests)",
     "log_level": "log level of every stage (DEBUG logs each scheduling decision)",
     "startup_timeout": "seconds to wait for the stages to load and report ready",
 }

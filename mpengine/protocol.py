@@ -3,9 +3,11 @@
 Channels and their decoders (one typed ``Decoder`` per channel, dispatch with ``match``):
 
     client  -> scheduler   ZMQ    ClientRequest   = Hello | AddRequest | Abort | StatsQuery
+                                                  | TokenizerQuery
     scheduler -> client    ZMQ    SchedulerReply  = EngineInfo | RequestError | EngineStats
+                                                  | TokenizerFile
     client  -> output      ZMQ    Hello
-    output  -> client      ZMQ    OutputReply     = Hello | OutputBatch
+    output  -> client      ZMQ    OutputReply     = Hello | OutputBatch | RequestError
     scheduler -> output    ring   Announcement    = NewRequest | AbortRequests
     scheduler -> executor  ring   StepPlan
     executor  -> output    ring   StepResult
@@ -20,6 +22,9 @@ Validation lives in the types: constraints are checked when a frame is decoded, 
 request fails with a message naming the field (``Expected `float` >= 0.0 - at
 `$[3][1]```...). ``SamplingParams.validate`` gives the same check before sending. A malformed
 frame raises ``msgspec.DecodeError`` or ``msgspec.ValidationError``, nothing else.
+
+Every size a client controls is bounded here (stop strings, stop token ids, ``n``, ids), so
+that no frame a stage derives from a request can outgrow the rings (see ``limits.py``).
 """
 
 from __future__ import annotations
@@ -34,11 +39,23 @@ from msgspec import Meta
 
 _WIRE = {"array_like": True, "omit_defaults": True, "tag": True, "gc": False}
 
-_ITEMSIZE = {"int32": 4, "int64": 8, "float16": 2, "float32": 4, "bool": 1}
+PROTOCOL_VERSION = 2
+
+# What one request may ask for (checked when a frame is decoded, naming the field).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 4096
+MAX_STOP_TOTAL_CHARS = 16384  # the stop matcher's set-up is linear in this (~2 us a char)
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20
+MAX_N = 64
+INT32_MAX = 2**31 - 1
+
 Dtype = Literal["int32", "int64", "float16", "float32", "bool"]
 _ITEMSIZE = {"int32": 4, "int64": 8, "float16": 2, "float32": 4, "bool": 1}
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]
+Int32 = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Id = Annotated[str, Meta(min_length=1, max_length=256)]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -81,30 +98,46 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
     (plus the sampled one); ``prompt_logprobs=N`` does the same for prompt positions.
     """
 
-    max_tokens: PosInt = 16
+    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] = 16
     temperature: Annotated[float, Meta(ge=0.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: NonNegInt = 0
+    top_k: Int32 = 0
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     seed: int | None = None
-    n: Annotated[int, Meta(ge=1, le=64)] = 1
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    stop: list[str] = []
-    stop_token_ids: list[NonNegInt] = []
+    stop: Annotated[
+        list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
+        Meta(max_length=MAX_STOP_STRINGS),
+    ] = []
+    stop_token_ids: Annotated[list[Int32], Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
-    min_tokens: NonNegInt = 0
+    min_tokens: Int32 = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def __post_init__(self) -> None:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) > max_tokens ({self.max_tokens})")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        total = sum(map(len, self.stop))
+        if total > MAX_STOP_TOTAL_CHARS:
+            raise ValueError(
+                f"stop strings have {total} characters in all; at most {MAX_STOP_TOTAL_CHARS}"
+            )
+        for name in ("temperature", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite")
+
+    def for_executor(self) -> SamplingParams:
+        """The parameters the executor needs: the same without stop strings (those are the
+        output processor's; they can be most of a request's bytes)."""
+        return msgspec.structs.replace(self, stop=[]) if self.stop else self
 
     @property
     def greedy(self) -> bool:
@@ -140,12 +173,12 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown
 class Hello(msgspec.Struct, **_WIRE):
     """First message of a client on each of its sockets; the engine answers it."""
 
-    client_id: str
-    protocol_version: int = 1
+    client_id: Id
+    protocol_version: int = PROTOCOL_VERSION
 
 
 class AddRequest(msgspec.Struct, **_WIRE):
-    request_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    request_id: Id
     prompt_token_ids: Array
     sampling: SamplingParams | None = None
     pooling: PoolingParams | None = None
@@ -169,7 +202,20 @@ class RequestHeader(
 
 
 class Abort(msgspec.Struct, **_WIRE):
+    """Abort some of this client's requests (ids are scoped to the client)."""
+
     request_ids: list[str]
+
+
+class TokenizerQuery(msgspec.Struct, **_WIRE):
+    """Ask for the engine's ``tokenizer.json`` (remote clients tokenize text with it)."""
+
+    query_id: int
+
+
+class TokenizerFile(msgspec.Struct, **_WIRE):
+    query_id: int
+    data: bytes
 
 
 class EngineInfo(msgspec.Struct, **_WIRE):
@@ -192,6 +238,7 @@ class EngineInfo(msgspec.Struct, **_WIRE):
     output_address: str = ""
     max_request_bytes: int = 0
     version: str = ""
+    protocol_version: int = PROTOCOL_VERSION
 
 
 class RequestError(msgspec.Struct, **_WIRE):
@@ -199,7 +246,9 @@ class RequestError(msgspec.Struct, **_WIRE):
 
     request_id: str
     message: str
-    kind: Literal["invalid", "too_large", "unknown", "overloaded", "internal"] = "invalid"
+    kind: Literal["invalid", "too_large", "unknown", "overloaded", "unauthorized", "internal"] = (
+        "invalid"
+    )
 
 
 class StatsQuery(msgspec.Struct, **_WIRE):
@@ -224,8 +273,8 @@ class EngineStats(msgspec.Struct, **_WIRE):
     forked_blocks: int
 
 
-ClientRequest = Hello | AddRequest | Abort | StatsQuery
-SchedulerReply = EngineInfo | RequestError | EngineStats
+ClientRequest = Hello | AddRequest | Abort | StatsQuery | TokenizerQuery
+SchedulerReply = EngineInfo | RequestError | EngineStats | TokenizerFile
 
 
 # -- output processor -> client ----------------------------------------------------------
@@ -271,7 +320,7 @@ class OutputBatch(msgspec.Struct, **_WIRE):
     deltas: list[OutputDelta]
 
 
-OutputReply = Hello | OutputBatch
+OutputReply = Hello | OutputBatch | RequestError
 
 
 # -- scheduler -> output processor (announce ring) ---------------------------------------
@@ -292,8 +341,9 @@ class NewRequest(msgspec.Struct, **_WIRE):
 
 
 class AbortRequests(msgspec.Struct, **_WIRE):
-    """The scheduler dropped these requests (client abort or error)."""
+    """The scheduler dropped these requests of one client (client abort or error)."""
 
+    client_id: str
     request_ids: list[str]
     reason: FinishReason = "abort"
     message: str = ""
@@ -305,18 +355,29 @@ Announcement = NewRequest | AbortRequests
 # -- scheduler -> executor (plan ring) ---------------------------------------------------
 
 
+class RequestParams(msgspec.Struct, **_WIRE):
+    """What the executor keeps about a request, sent once: in the plan that first starts
+    one of its sequences. ``key`` names it in ``SeqStart.request`` until a plan lists it in
+    ``released_requests``."""
+
+    key: int
+    num_prompt_tokens: int
+    sampling: SamplingParams | None  # without stop strings (see ``for_executor``)
+    pooling: PoolingParams | None = None
+    # The whole prompt, only when prompt logprobs are asked for.
+    prompt_token_ids: Array | None = None
+
+
 class SeqStart(msgspec.Struct, **_WIRE):
     """A sequence takes a slot: the executor resets the slot's state."""
 
     slot: int
     seq_id: int
-    num_prompt_tokens: int
-    sampling: SamplingParams | None
+    request: int  # the RequestParams key
     sample_index: int = 0  # which of the request's n samples (derives its seed)
-    pooling: PoolingParams | None = None
-    # The whole prompt, only when prompt logprobs are asked for (and only on the first
-    # start, not after a preemption: they were computed already).
-    prompt_token_ids: Array | None = None
+    # Score the prompt (sample 0's first start only, not after a preemption: the prompt
+    # logprobs were computed already).
+    prompt_logprobs: bool = False
 
 
 class StepPlan(msgspec.Struct, **_WIRE):
@@ -342,6 +403,8 @@ class StepPlan(msgspec.Struct, **_WIRE):
     block_slots: Array = EMPTY_IDS
     block_indices: Array = EMPTY_IDS
     block_ids: Array = EMPTY_IDS
+    new_requests: list[RequestParams] = []  # before the new_seqs that name them
+    released_requests: Array = EMPTY_IDS  # int64 keys no later plan names
 
     @property
     def num_seqs(self) -> int:
@@ -384,9 +447,16 @@ class StepResult(msgspec.Struct, **_WIRE):
     logprob_rows: Array = EMPTY_IDS  # int32: logprobs row j is for seq_ids[logprob_rows[j]]
     prompt_logprobs: list[PromptLogprobs] = []
     embeddings: Array | None = None  # [len(seq_ids), hidden] for pooling requests
-    error: str | None = None  # the whole step failed: every scheduled sequence errors
-    failed_seq_ids: Array = EMPTY_IDS
+    # Sequences that failed in this step (and are finished with ``error``), each with its
+    # message; every other scheduled sequence is unaffected.
+    failed_seq_ids: Array = EMPTY_IDS  # int64
+    errors: list[str] = []
     execute_time: float = 0.0
+
+    @property
+    def error(self) -> str | None:
+        """The first failure's message, if any sequence failed."""
+        return self.errors[0] if self.errors else None
 
 
 # -- output processor -> scheduler (feedback ring) ---------------------------------------

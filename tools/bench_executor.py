@@ -23,7 +23,8 @@ import numpy as np
 
 from mpengine.config import EngineConfig
 from mpengine.executor import Executor
-from mpengine.protocol import Array, SamplingParams, SeqStart, StepPlan
+from mpengine.protocol import Array, RequestParams, SamplingParams, SeqStart, StepPlan
+from mpengine.testing.fake import start_seq
 
 
 def plan(
@@ -32,7 +33,7 @@ def plan(
     starts: np.ndarray,
     num_tokens: np.ndarray,
     token_ids: np.ndarray,
-    new: list[SeqStart] | None = None,
+    new: list[tuple[SeqStart, RequestParams]] | None = None,
     blocks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> StepPlan:
     empty = np.zeros(0, np.int32)
@@ -45,7 +46,8 @@ def plan(
         num_tokens=Array.of(num_tokens),
         sample=Array.of(np.ones(len(slots), bool), "bool"),
         seq_ids=Array.of(slots, "int64"),
-        new_seqs=new or [],
+        new_seqs=[start for start, _ in new or []],
+        new_requests=[params for _, params in new or []],
         block_slots=Array.of(block_slots),
         block_indices=Array.of(block_indices),
         block_ids=Array.of(block_ids),
@@ -86,7 +88,7 @@ def main() -> None:
     block_indices = np.tile(np.arange(blocks_per_seq), n + 1).astype(np.int32)
     table = (block_slots, block_indices, owned.reshape(-1).astype(np.int32))
     prompts = rng.integers(3, executor.info.vocab_size, (n, args.context)).astype(np.int32)
-    new = [SeqStart(int(s), int(s), args.context, params) for s in slots]
+    new = [start_seq(int(s), int(s), args.context, params) for s in slots]
     prefill = plan(
         0,
         slots,
@@ -110,7 +112,7 @@ def main() -> None:
     chunk = rng.integers(3, executor.info.vocab_size, args.chunk).astype(np.int32)
     mixed_slots = np.append(slots[:-1], n).astype(np.int32)
     for _ in range(args.steps):
-        fresh = [SeqStart(n, n, args.chunk, params)]
+        fresh = [start_seq(n, n, args.chunk, params)]
         # The chunk's slot restarts each time, reusing its blocks (they stay in the table row).
         rows = (np.full(blocks_per_seq, n, np.int32), np.arange(blocks_per_seq, dtype=np.int32))
         starts = np.append(np.full(n - 1, position, np.int32), 0)

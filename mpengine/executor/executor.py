@@ -10,12 +10,21 @@ import numpy as np
 import torch
 
 from mpengine.config import EngineConfig
+from mpengine.envs import InjectedFault, fault_seqs, fault_steps
 from mpengine.executor.attention import METADATA_KWARG, build_metadata
 from mpengine.executor.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for
 from mpengine.executor.model_loader import LoadedModel, load_model
 from mpengine.executor.sampler import Sampler, token_logprobs
 from mpengine.executor.slots import SlotState
-from mpengine.protocol import EMPTY_IDS, Array, ExecutorInfo, PromptLogprobs, StepPlan, StepResult
+from mpengine.protocol import (
+    EMPTY_IDS,
+    Array,
+    ExecutorInfo,
+    PromptLogprobs,
+    RequestParams,
+    StepPlan,
+    StepResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +34,8 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 class Executor:
     """Owns the model, the KV cache and the per-slot state; ``execute`` runs one step.
 
-    A step that fails (bad plan, model error) returns a ``StepResult`` with ``error`` set
-    and every scheduled sequence in ``failed_seq_ids``; the executor keeps serving.
+    A sequence that cannot run, or a step whose forward raises, is reported in the result's
+    ``failed_seq_ids``; the executor keeps serving (see ``execute``).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -54,6 +63,8 @@ class Executor:
             eos_token_ids=self.loaded.eos_token_ids,
         )
         self.sampler = Sampler(self.device, config.seed)
+        self.requests: dict[int, RequestParams] = {}  # by key, from plan to release
+        self.fault_steps, self.fault_seqs = fault_steps(), fault_seqs()
         self.info = ExecutorInfo(
             num_blocks=self.num_blocks,
             block_size=config.block_size,
@@ -69,74 +80,91 @@ class Executor:
         logger.info("executor ready: %s", self.info)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run ``plan``: apply its slot and block-table changes, compute its tokens, sample."""
+        """Run ``plan``: apply its slot and block-table changes, compute its tokens, sample.
+
+        Failures stay as small as they can be tied: a sequence whose start, tokens or
+        sampling are bad fails alone; a forward pass that raises fails the step's sequences.
+        A failed sequence's slot is poisoned, so a step planned before the failure was known
+        (async depth 1) runs without it instead of failing on its missing token.
+        """
         started = time.perf_counter()
+        for params in plan.new_requests:
+            self.requests[params.key] = params
+        failures: dict[int, str] = {}  # seq id -> why it failed
         try:
-            result = self._execute(plan)
+            result = self._execute(plan, failures)
         except Exception as exc:
             logger.exception("step %d failed", plan.step)
-            result = StepResult(
-                step=plan.step,
-                seq_ids=Array("int64", (0,), b""),
-                token_ids=EMPTY_IDS,
-                error=f"{type(exc).__name__}: {exc}",
-                failed_seq_ids=Array.of(plan.seq_ids.numpy(), "int64"),
-            )
+            message = f"{type(exc).__name__}: {exc}"
+            for seq_id in plan.seq_ids.numpy().tolist():
+                failures.setdefault(seq_id, message)
+            result = StepResult(step=plan.step, seq_ids=Array.of([], "int64"), token_ids=EMPTY_IDS)
+        finally:
+            for key in plan.released_requests.numpy().tolist():
+                self.requests.pop(key, None)
+        if failures:
+            self.slots.poison(list(failures))
+            result.failed_seq_ids = Array.of(list(failures), "int64")
+            result.errors = list(failures.values())
         result.execute_time = time.perf_counter() - started
         return result
 
     @torch.inference_mode()
-    def _execute(self, plan: StepPlan) -> StepResult:
+    def _execute(self, plan: StepPlan, failures: dict[int, str]) -> StepResult:
         # 1. slot resets, then block-table deltas
         for seq in plan.new_seqs:
-            self.slots.start(seq)
+            try:
+                self.slots.start(seq, self.requests[seq.request])
+            except Exception as exc:
+                logger.warning("seq %d cannot start: %r", seq.seq_id, exc)
+                failures[seq.seq_id] = f"{type(exc).__name__}: {exc}"
         self._update_block_table(plan)
 
-        # 2. the step's layout on the host
+        # 2. the step's layout on the host, without the sequences that cannot run
         slots = plan.slots.numpy().astype(np.int64)
         starts = plan.starts.numpy().astype(np.int64)
         num_tokens = plan.num_tokens.numpy().astype(np.int64)
         sample = plan.sample.numpy().astype(bool)
         seq_ids = plan.seq_ids.numpy().astype(np.int64)
+        token_ids = plan.token_ids.numpy().astype(np.int64)  # a writable copy
         self._check_plan(plan, slots, starts, num_tokens, sample, seq_ids)
+        keep = self._runnable(slots, starts, num_tokens, seq_ids, token_ids, failures)
+        if not keep.all():
+            token_ids = token_ids[np.repeat(keep, num_tokens)]
+            slots, starts, num_tokens = slots[keep], starts[keep], num_tokens[keep]
+            sample, seq_ids = sample[keep], seq_ids[keep]
         total = int(num_tokens.sum())
         first_token = np.cumsum(num_tokens) - num_tokens
         positions = np.arange(total) + np.repeat(starts - first_token, num_tokens)
         token_slots = np.repeat(slots, num_tokens)
-        token_ids = plan.token_ids.numpy().astype(np.int64)  # a writable copy
         pending = token_ids < 0
         token_ids[pending] = self.slots.last_token[token_slots[pending]]
-        if (token_ids < 0).any():
-            raise ValueError("a -1 token refers to a slot that has sampled nothing yet")
-        if (token_ids >= self.loaded.vocab_size).any():
-            raise ValueError(f"token id out of range [0, {self.loaded.vocab_size})")
         self.slots.record(token_slots, positions, token_ids)
 
         # 3. which logits rows are needed: sampling positions, then prompt-logprob positions
         sampling = np.flatnonzero(sample)
         sample_rows = first_token[sampling] + num_tokens[sampling] - 1
         prompt_chunks = self._prompt_logprob_chunks(slots, starts, num_tokens, first_token)
-        keep = np.concatenate([sample_rows, *(rows for _, _, rows, _ in prompt_chunks)])
+        rows_kept = np.concatenate([sample_rows, *(rows for _, _, rows, _ in prompt_chunks)])
         # A chunk that samples nothing still runs: its keys and values fill the cache.
+        if total and plan.step in self.fault_steps:
+            raise InjectedFault(f"injected failure of step {plan.step} (MPENGINE_FAULT_STEPS)")
         logits = (
-            self._forward(token_ids, positions, keep, slots, starts, num_tokens) if total else None
+            self._forward(token_ids, positions, rows_kept, slots, starts, num_tokens)
+            if total
+            else None
         )
 
         # 4. sample, remember each sampled token for the slot's next decode
-        result = StepResult(
-            step=plan.step,
-            seq_ids=Array.of(seq_ids[sampling], "int64"),
-            token_ids=EMPTY_IDS,
-        )
+        result = StepResult(step=plan.step, seq_ids=Array.of([], "int64"), token_ids=EMPTY_IDS)
         if len(sampling):
             contexts = starts[sampling] + num_tokens[sampling]
-            rows = self.slots.sampling_rows(slots[sampling], contexts)
-            out = self.sampler.sample(logits[: len(sampling)], rows)
-            self.slots.last_token[slots[sampling]] = out.token_ids
-            result.token_ids = Array.of(out.token_ids, "int32")
-            if out.logprobs is not None:
-                result.logprobs = out.logprobs
-                result.logprob_rows = Array.of(out.logprob_rows, "int32")
+            ok, error = self._sample(logits[: len(sampling)], slots[sampling], contexts, result)
+            for row in np.flatnonzero(~ok):
+                failures[int(seq_ids[sampling[row]])] = error
+            sampled = sampling[ok]
+            self.slots.last_token[slots[sampled]] = result.token_ids.numpy()
+            result.seq_ids = Array.of(seq_ids[sampled], "int64")
 
         # 5. prompt logprobs, one entry per chunk
         offset = len(sampling)
@@ -144,10 +172,48 @@ class Executor:
             targets = self.slots.prompt_token_ids[slots[i]][first : first + len(rows)]
             chunk_logits = logits[offset : offset + len(rows)]
             offset += len(rows)
+            if int(seq_ids[i]) in failures:
+                continue
             target_ids = torch.from_numpy(targets.astype(np.int64)).to(self.device)
             logprobs = token_logprobs(chunk_logits, target_ids, num_top)
             result.prompt_logprobs.append(PromptLogprobs(int(seq_ids[i]), first, logprobs))
         return result
+
+    def _sample(
+        self, logits: torch.Tensor, slots: np.ndarray, contexts: np.ndarray, result: StepResult
+    ) -> tuple[np.ndarray, str]:
+        """Sample every row into ``result``; return which rows succeeded and the error of
+        the others. A batch that raises is retried row by row to find the rows at fault,
+        then the others are sampled together."""
+        ok = np.ones(len(slots), bool)
+        error = ""
+        try:
+            out = self._sample_rows(logits, slots, contexts)
+        except Exception as exc:
+            logger.warning("sampling failed (%r): finding the rows at fault", exc)
+            error = f"{type(exc).__name__}: {exc}"
+            for row in range(len(slots)):
+                one = slice(row, row + 1)
+                try:
+                    self._sample_rows(logits[one], slots[one], contexts[one])
+                except Exception as row_exc:
+                    ok[row] = False
+                    error = f"{type(row_exc).__name__}: {row_exc}"
+            if ok.all():  # no row fails alone: the batch as a whole did
+                ok[:] = False
+            if not ok.any():
+                return ok, error
+            out = self._sample_rows(logits[torch.from_numpy(ok)], slots[ok], contexts[ok])
+        result.token_ids = Array.of(out.token_ids, "int32")
+        if out.logprobs is not None:
+            result.logprobs = out.logprobs
+            result.logprob_rows = Array.of(out.logprob_rows, "int32")
+        return ok, error
+
+    def _sample_rows(self, logits: torch.Tensor, slots: np.ndarray, contexts: np.ndarray):
+        if self.fault_seqs and not self.fault_seqs.isdisjoint(self.slots.seq_id[slots].tolist()):
+            raise InjectedFault("injected sampling failure (MPENGINE_FAULT_SEQS)")
+        return self.sampler.sample(logits, self.slots.sampling_rows(slots, contexts))
 
     def _forward(
         self,
@@ -228,18 +294,47 @@ class Executor:
         sample: np.ndarray,
         seq_ids: np.ndarray,
     ) -> None:
+        """The plan's shape; a plan that fails these is wrong as a whole."""
         n = len(slots)
         if not len(starts) == len(num_tokens) == len(sample) == len(seq_ids) == n:
             raise ValueError("plan arrays differ in length")
+        if n and num_tokens.min() < 1:
+            raise ValueError("every scheduled sequence needs >= 1 token")
         if len(plan.token_ids) != int(num_tokens.sum()):
             raise ValueError(
                 f"plan has {len(plan.token_ids)} token ids for {num_tokens.sum()} tokens"
             )
         if n and (slots.min() < 0 or slots.max() >= self.slots.num_slots):
             raise ValueError(f"slot out of range [0, {self.slots.num_slots})")
-        if n and (num_tokens.min() < 1 or starts.min() < 0):
-            raise ValueError("every scheduled sequence needs >= 1 token at a position >= 0")
-        if n and (starts + num_tokens).max() > self.max_model_len:
-            raise ValueError(f"a sequence exceeds max_model_len {self.max_model_len}")
-        if n and (self.slots.seq_id[slots] != seq_ids).any():
-            raise ValueError("a scheduled sequence is not the one its slot was started for")
+
+    def _runnable(
+        self,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        num_tokens: np.ndarray,
+        seq_ids: np.ndarray,
+        token_ids: np.ndarray,
+        failures: dict[int, str],
+    ) -> np.ndarray:
+        """Which scheduled sequences can run; the others go to ``failures`` with a reason."""
+        reasons = np.full(len(slots), "", dtype=object)
+        token_seq = np.repeat(np.arange(len(slots)), num_tokens)
+        pending = token_ids < 0
+        no_token = np.zeros(len(slots), bool)
+        no_token[token_seq[pending & (self.slots.last_token[slots[token_seq]] < 0)]] = True
+        bad_id = np.zeros(len(slots), bool)
+        bad_id[token_seq[token_ids >= self.loaded.vocab_size]] = True
+        reasons[bad_id] = f"a token id is out of range [0, {self.loaded.vocab_size})"
+        reasons[no_token] = "a -1 token refers to a slot that has sampled nothing yet"
+        reasons[(starts < 0) | (starts + num_tokens > self.max_model_len)] = (
+            f"positions outside [0, max_model_len={self.max_model_len})"
+        )
+        reasons[self.slots.seq_id[slots] != seq_ids] = (
+            "the sequence does not hold its slot (an earlier step of it failed)"
+        )
+        for i in np.flatnonzero(reasons != ""):
+            failures.setdefault(int(seq_ids[i]), str(reasons[i]))
+        keep = reasons == ""
+        if failures:
+            keep &= ~np.isin(seq_ids, np.fromiter(failures, np.int64, len(failures)))
+        return keep

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpengine.executor.sampler import SamplingRows, draw_seed
-from mpengine.protocol import SamplingParams, SeqStart
+from mpengine.protocol import RequestParams, SamplingParams, SeqStart
 
 _NO_STOP_IDS = np.zeros(0, np.int64)
 
@@ -57,17 +57,17 @@ class SlotState:
         # np.zeros maps untouched pages lazily: only rows of penalised slots cost memory.
         self.history = np.zeros((num_slots, max_model_len), np.int32)
 
-    def start(self, seq: SeqStart) -> None:
-        """Reset ``seq.slot`` for a new sequence (or a recomputed one)."""
-        if seq.pooling is not None or seq.sampling is None:
+    def start(self, seq: SeqStart, request: RequestParams) -> None:
+        """Reset ``seq.slot`` for a new sequence (or a recomputed one) of ``request``."""
+        if request.pooling is not None or request.sampling is None:
             raise NotImplementedError("pooling requests are not supported by this executor yet")
         if not 0 <= seq.slot < self.num_slots:
             raise ValueError(f"slot {seq.slot} out of range [0, {self.num_slots})")
-        s, p = seq.slot, seq.sampling
+        s, p = seq.slot, request.sampling
+        self.seq_id[s] = -1  # until the start is complete
         self.block_table[s] = -1
-        self.seq_id[s] = seq.seq_id
         self.last_token[s] = -1
-        self.num_prompt[s] = seq.num_prompt_tokens
+        self.num_prompt[s] = request.num_prompt_tokens
         self.sample_index[s] = seq.sample_index
         self.temperature[s] = p.temperature
         self.top_k[s] = p.top_k
@@ -82,9 +82,16 @@ class SlotState:
         self.min_tokens[s] = p.min_tokens
         self.logprobs[s] = -1 if p.logprobs is None else p.logprobs
         self.suppressed_ids[s] = _suppressed_ids(p, self.eos_token_ids, self.vocab_size)
-        wants_prompt = p.prompt_logprobs is not None and seq.prompt_token_ids is not None
+        prompt = request.prompt_token_ids
+        wants_prompt = seq.prompt_logprobs and p.prompt_logprobs is not None and prompt is not None
         self.prompt_logprobs[s] = p.prompt_logprobs if wants_prompt else -1
-        self.prompt_token_ids[s] = seq.prompt_token_ids.numpy() if wants_prompt else None
+        self.prompt_token_ids[s] = prompt.numpy() if wants_prompt else None
+        self.seq_id[s] = seq.seq_id
+
+    def poison(self, seq_ids: list[int]) -> None:
+        """These sequences failed: their slots serve them no more (a plan that still names
+        them fails them instead of running them without their state)."""
+        self.seq_id[np.isin(self.seq_id, seq_ids)] = -1
 
     def record(self, token_slots: np.ndarray, positions: np.ndarray, token_ids: np.ndarray) -> None:
         """Remember the step's tokens of penalised sequences."""

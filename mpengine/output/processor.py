@@ -89,7 +89,9 @@ class OutputProcessor:
         self.detokenizer.stream(skip_special_tokens=True)  # build the common table now
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-        self._requests: dict[str, _Request] = {}
+        # Requests by (client id, request id): ids are scoped to their client.
+        self._requests: dict[tuple[str, str], _Request] = {}
+        self._by_client: dict[str, set[tuple[str, str]]] = {}
         self._seqs: dict[int, _Sequence] = {}  # open sequences only
         self._dropped: list[int] = []  # seq ids of dropped clients, for the next feedback
         self._id_arrays: dict[int, Array] = {}  # token id -> its one-element Array
@@ -111,27 +113,35 @@ class OutputProcessor:
             case NewRequest():
                 self._register(msg)
                 return []
-            case AbortRequests(request_ids=request_ids, reason=reason, message=message):
+            case AbortRequests(client_id=client_id, request_ids=request_ids):
                 now = time.time()
                 outputs: list[Output] = []
                 for request_id in request_ids:
-                    request = self._requests.get(request_id)
+                    request = self._requests.get((client_id, request_id))
                     if request is None:
                         continue
                     for seq in self._open_seqs(request):
-                        delta = self._finish(seq, reason, None, now, self._drain(seq))
-                        delta.error = message or None
-                        outputs.append((request.msg.client_id, delta))
+                        delta = self._finish(seq, msg.reason, None, now, self._drain(seq))
+                        delta.error = msg.message or None
+                        outputs.append((client_id, delta))
                 return outputs
 
-    def drop_client(self, client_id: str) -> None:
-        """The client is gone: abort its requests silently; the scheduler learns of them
-        through the next feedback's finished list."""
+    def abort_client(self, client_id: str, message: str) -> list[Output]:
+        """End every request of a client here (it stopped reading, or is gone); return the
+        final deltas. The scheduler learns of them through the next feedback."""
         now = time.time()
-        for request in [r for r in self._requests.values() if r.msg.client_id == client_id]:
-            for seq in self._open_seqs(request):
-                self._finish(seq, "abort", None, now, "")
+        outputs: list[Output] = []
+        for key in list(self._by_client.get(client_id, ())):
+            for seq in self._open_seqs(self._requests[key]):
+                delta = self._finish(seq, "abort", None, now, self._drain(seq))
+                delta.error = message
+                outputs.append((client_id, delta))
                 self._dropped.append(seq.seq_id)
+        return outputs
+
+    def drop_client(self, client_id: str) -> None:
+        """The client is gone: abort its requests silently."""
+        self.abort_client(client_id, "the client disconnected")
 
     # -- the step ------------------------------------------------------------------------
 
@@ -148,17 +158,17 @@ class OutputProcessor:
             if seq is not None and seq.index == 0:  # sample 0 scores the prompt
                 seq.request.prompt_logprobs.append(chunk)
 
-        # 2. a failed step
-        if result.error is not None:
-            for seq_id in result.failed_seq_ids.numpy().tolist():
-                seq = self._seqs.get(seq_id)
-                if seq is None:
-                    continue
-                delta = self._finish(seq, "error", None, now, self._drain(seq))
-                delta.error = result.error
-                outputs.append((seq.request.msg.client_id, delta))
-                finished_ids.append(seq_id)
-                reasons.append("error")
+        # 2. sequences that failed in this step
+        failed = result.failed_seq_ids.numpy().tolist()
+        for seq_id, error in zip(failed, result.errors, strict=True):
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                continue
+            delta = self._finish(seq, "error", None, now, self._drain(seq))
+            delta.error = error
+            outputs.append((seq.request.msg.client_id, delta))
+            finished_ids.append(seq_id)
+            reasons.append("error")
 
         # 3. sampled tokens
         seq_ids = result.seq_ids.numpy().tolist()
@@ -259,7 +269,12 @@ class OutputProcessor:
         del self._seqs[seq.seq_id]
         request.num_open -= 1
         if request.num_open == 0:
-            del self._requests[msg.request_id]
+            key = (msg.client_id, msg.request_id)
+            del self._requests[key]
+            keys = self._by_client[msg.client_id]
+            keys.discard(key)
+            if not keys:
+                del self._by_client[msg.client_id]
         delta = OutputDelta(
             msg.request_id,
             seq.index,
@@ -309,13 +324,15 @@ class OutputProcessor:
             request.include_stop = sampling.include_stop_str_in_output
             request.num_logprobs = sampling.logprobs
             request.prompt_logprobs_due = sampling.prompt_logprobs is not None
-        if msg.request_id in self._requests:
+        key = (msg.client_id, msg.request_id)
+        if key in self._requests:
             # The scheduler rejects duplicate ids; never let one clobber a live request.
             log.warning("ignoring a second request with id %r", msg.request_id)
             return
         if request.num_open == 0:
             return
-        self._requests[msg.request_id] = request
+        self._requests[key] = request
+        self._by_client.setdefault(msg.client_id, set()).add(key)
         for index, seq_id in enumerate(msg.seq_ids):
             stream = None
             if sampling is not None:

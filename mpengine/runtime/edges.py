@@ -8,6 +8,7 @@ output processor's ROUTER (deltas). So no stage relays another stage's traffic.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 
@@ -26,12 +27,32 @@ from mpengine.protocol import (
 logger = logging.getLogger(__name__)
 
 
-def bind_router(ctx: zmq.Context, address: str) -> zmq.Socket:
+class Sent(enum.Enum):
+    OK = "ok"
+    FULL = "full"  # the client's queue is at its high-water mark: it does not read
+    GONE = "gone"  # no such client connected
+
+
+def bind_router(
+    ctx: zmq.Context,
+    address: str,
+    max_msg_bytes: int,
+    send_hwm: int = 0,
+    auth_token: str | None = None,
+) -> zmq.Socket:
+    """A ROUTER for clients: messages over ``max_msg_bytes`` close the sender's connection
+    before they are buffered (libzmq checks the size announced in the frame header), and at
+    most ``send_hwm`` messages queue for one client (0: no bound)."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client raises, not drops
-    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone or full client raises
+    sock.setsockopt(zmq.SNDHWM, send_hwm)
     sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+    if auth_token:
+        from mpengine.runtime.auth import secure_server
+
+        secure_server(sock, auth_token)
     sock.bind(address)
     return sock
 
@@ -44,13 +65,24 @@ def remove_ipc_file(address: str) -> None:
 
 
 class Edge:
-    """A bound ROUTER: receive ``(client_id, frame)`` pairs, send to a client by id."""
+    """A bound ROUTER: receive ``(client_id, frame)`` pairs, send to a client by id.
 
-    def __init__(self, address: str, max_frame_bytes: int) -> None:
+    Frames up to ``max_frame_bytes`` are received; a larger one up to twice that gets an
+    error reply (``reply_error``), anything larger closes the sender's connection unread.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        max_frame_bytes: int,
+        send_hwm: int = 0,
+        auth_token: str | None = None,
+    ) -> None:
         self.address = address
         self.max_frame_bytes = max_frame_bytes
+        self.send_hwm = send_hwm
         self.ctx = zmq.Context(io_threads=1)
-        self.sock = bind_router(self.ctx, address)
+        self.sock = bind_router(self.ctx, address, 2 * max_frame_bytes, send_hwm, auth_token)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
 
@@ -69,14 +101,16 @@ class Edge:
             else:
                 logger.warning("dropped a message of %d parts", len(parts))
 
-    def send(self, client_id: bytes, payload: bytes) -> bool:
-        """False when the client is gone."""
+    def send(self, client_id: bytes, payload: bytes) -> Sent:
+        """Never blocks: a client that is gone or not reading is reported, not waited for."""
         try:
             self.sock.send_multipart((client_id, payload), zmq.NOBLOCK, copy=False)
-            return True
+            return Sent.OK
         except zmq.ZMQError as exc:
-            if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                return False
+            if exc.errno == zmq.EAGAIN:
+                return Sent.FULL
+            if exc.errno == zmq.EHOSTUNREACH:
+                return Sent.GONE
             raise
 
     def reply_error(
@@ -94,13 +128,14 @@ class Edge:
         logger.info("rejected request %r: %s", request_id, message)
         self.send(client_id, encoder.encode(RequestError(request_id, message, kind)))
 
-    def send_outputs(self, batches: dict[str, list]) -> list[str]:
-        """Send each client its deltas as one message; return the clients that are gone."""
-        gone = []
+    def send_outputs(self, batches: dict[str, list]) -> dict[str, Sent]:
+        """Send each client its deltas as one message; return the clients not reached."""
+        failed = {}
         for client_id, deltas in batches.items():
-            if not self.send(client_id.encode(), encoder.encode(OutputBatch(deltas))):
-                gone.append(client_id)
-        return gone
+            sent = self.send(client_id.encode(), encoder.encode(OutputBatch(deltas)))
+            if sent is not Sent.OK:
+                failed[client_id] = sent
+        return failed
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -1,30 +1,54 @@
-"""The scheduler's front door: client frames in, scheduler calls and replies out.
+"""The engine's two doors, shared by both runtimes.
 
-Shared by both runtimes. A bad frame or a rejected request gets a ``RequestError`` for that
-request only; nothing a client sends can stop the loop.
+``FrontDoor`` (scheduler side): client frames in, scheduler calls and replies out. A bad
+frame or a rejected request gets a ``RequestError`` for that request only; nothing a client
+sends can stop the loop. Request ids are scoped to the client that sent them.
+
+``OutputDoor`` (output processor side): greets clients and streams their deltas. It never
+blocks on a client: one that is gone has its requests aborted silently; one that stops
+reading until its queue reaches ``client_send_hwm`` has its requests aborted too, and the
+final deltas (with what it had not received) wait in a small backlog until it reads again.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
+from pathlib import Path
 
 import msgspec
 
+from mpengine.config import EngineConfig
 from mpengine.protocol import (
+    PROTOCOL_VERSION,
     Abort,
     AddRequest,
     EngineInfo,
     EngineStats,
     Hello,
+    OutputBatch,
+    OutputDelta,
     RequestError,
     StatsQuery,
+    TokenizerFile,
+    TokenizerQuery,
     client_request_decoder,
     encoder,
 )
-from mpengine.runtime.edges import Edge
+from mpengine.runtime.edges import Edge, Sent
 from mpengine.scheduler import RequestRejected, Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+def check_hello(hello: Hello) -> str | None:
+    """Why a client's greeting is refused, or None."""
+    if hello.protocol_version != PROTOCOL_VERSION:
+        return (
+            f"protocol version {hello.protocol_version} is not supported: this engine speaks "
+            f"version {PROTOCOL_VERSION} (upgrade the client library)"
+        )
+    return None
 
 
 class FrontDoor:
@@ -33,6 +57,7 @@ class FrontDoor:
         self.scheduler = scheduler
         self.info = info
         self.decoder = client_request_decoder()
+        self._tokenizer_file: bytes | None = None
 
     def serve(self, timeout_s: float) -> int:
         """Handle every waiting client frame (waiting up to ``timeout_s`` for one)."""
@@ -66,12 +91,90 @@ class FrontDoor:
                 try:
                     self.scheduler.add_request(msg, client)
                 except RequestRejected as exc:
-                    reply = RequestError(msg.request_id, str(exc), exc.kind)  # type: ignore[arg-type]
-                    self.edge.send(client_id, encoder.encode(reply))
+                    self._reply(client_id, RequestError(msg.request_id, str(exc), exc.kind))  # type: ignore[arg-type]
             case Abort():
-                self.scheduler.abort(msg.request_ids)
+                self.scheduler.abort(client, msg.request_ids)
             case Hello():
-                self.edge.send(client_id, encoder.encode(self.info))
+                refused = check_hello(msg)
+                self._reply(client_id, RequestError("", refused) if refused else self.info)
             case StatsQuery():
-                reply = EngineStats(query_id=msg.query_id, **self.scheduler.stats())
-                self.edge.send(client_id, encoder.encode(reply))
+                self._reply(client_id, EngineStats(query_id=msg.query_id, **self.scheduler.stats()))
+            case TokenizerQuery():
+                self._reply(client_id, TokenizerFile(msg.query_id, self._tokenizer()))
+
+    def _reply(self, client_id: bytes, msg: msgspec.Struct) -> None:
+        self.edge.send(client_id, encoder.encode(msg))
+
+    def _tokenizer(self) -> bytes:
+        """The engine's ``tokenizer.json`` (empty when it has none to share)."""
+        if self._tokenizer_file is None:
+            try:
+                data = (Path(self.info.tokenizer) / "tokenizer.json").read_bytes()
+            except OSError as exc:
+                logger.warning("cannot share the tokenizer: %s", exc)
+                data = b""
+            self._tokenizer_file = data
+        return self._tokenizer_file
+
+
+class OutputDoor:
+    """Greetings and deltas to clients, for an output processor (see the module doc)."""
+
+    def __init__(self, edge: Edge, processor, config: EngineConfig) -> None:
+        self.edge = edge
+        self.processor = processor
+        self.hello = encoder.encode(Hello(config.engine_id))
+        self.decoder = msgspec.msgpack.Decoder(Hello)
+        self.backlog: dict[str, list[OutputDelta]] = {}  # clients that stopped reading
+
+    def greet(self) -> None:
+        """Answer every greeting waiting now (clients send nothing else to this edge)."""
+        for client_id, frame in self.edge.receive(0.0):
+            try:
+                refused = check_hello(self.decoder.decode(frame))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                refused = f"expected a Hello: {exc}"
+            reply = encoder.encode(RequestError("", refused)) if refused else self.hello
+            self.edge.send(client_id, reply)
+
+    def send(self, deltas: list[tuple[str, OutputDelta]]) -> None:
+        """Send each client its deltas of this step in one message."""
+        batches: dict[str, list[OutputDelta]] = defaultdict(list)
+        for client_id, delta in deltas:
+            batches[client_id].append(delta)
+        if self.backlog:
+            self._flush_backlog(batches)
+        for client_id, sent in self.edge.send_outputs(batches).items():
+            if sent is Sent.GONE:
+                logger.info("client %s is gone: aborting its requests", client_id)
+                self.processor.drop_client(client_id)
+                continue
+            logger.warning(
+                "client %s does not read its outputs (%d messages queued): aborting its requests",
+                client_id,
+                self.edge.send_hwm,
+            )
+            self._abort(client_id, batches[client_id])
+
+    def _flush_backlog(self, batches: dict[str, list[OutputDelta]]) -> None:
+        """Retry the clients that stopped reading; their new deltas wait behind the backlog
+        (and, since their requests were aborted, these are final deltas of newer ones)."""
+        for client_id in list(self.backlog):
+            pending = self.backlog[client_id] + batches.pop(client_id, [])
+            sent = self.edge.send(client_id.encode(), encoder.encode(OutputBatch(pending)))
+            if sent is Sent.OK:
+                del self.backlog[client_id]
+            elif sent is Sent.GONE:
+                del self.backlog[client_id]
+                self.processor.drop_client(client_id)
+            else:  # still not reading: whatever it asked for since is aborted as well
+                self._abort(client_id, pending)
+
+    def _abort(self, client_id: str, unsent: list[OutputDelta]) -> None:
+        """Abort the client's requests; keep what it did not get, only final deltas are kept
+        if the backlog grows past a bound (a client that asks but never reads)."""
+        message = "aborted: the client did not read its outputs (client_send_hwm reached)"
+        pending = unsent + [delta for _, delta in self.processor.abort_client(client_id, message)]
+        if len(pending) > 4 * self.edge.send_hwm:
+            pending = [delta for delta in pending if delta.finish_reason is not None]
+        self.backlog[client_id] = pending

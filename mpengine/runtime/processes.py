@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import defaultdict
 
 from mpengine.config import EngineConfig
 from mpengine.protocol import (
     EngineInfo,
-    Hello,
     ModelInfo,
     OutputDelta,
     Wiring,
@@ -34,13 +32,24 @@ from mpengine.protocol import (
     result_decoder,
 )
 from mpengine.runtime.edges import Edge
-from mpengine.runtime.front import FrontDoor
+from mpengine.runtime.front import FrontDoor, OutputDoor
 from mpengine.runtime.stage import Control, StopFlag
 from shm import Lockstep, Ring
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
+GREETING_BYTES = 4096
+
+
+def advertised(address: str, host: str | None) -> str:
+    """``address`` with its host replaced by ``host`` (tcp only), for clients to connect to
+    when the engine binds a wildcard."""
+    if not host or not address.startswith("tcp://"):
+        return address
+    port = address.rsplit(":", 1)[1]
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"tcp://{host}:{port}"
 
 
 def engine_info(config: EngineConfig, model: ModelInfo, wiring: Wiring) -> EngineInfo:
@@ -59,18 +68,20 @@ def engine_info(config: EngineConfig, model: ModelInfo, wiring: Wiring) -> Engin
         eos_token_ids=model.eos_token_ids,
         runtime=config.runtime,
         async_depth=config.async_depth,
-        request_address=wiring.request_address,
-        output_address=wiring.output_address,
+        request_address=advertised(wiring.request_address, config.advertise_host),
+        output_address=advertised(wiring.output_address, config.advertise_host),
         max_request_bytes=config.max_request_bytes,
         version=__version__,
     )
 
 
-def group_by_client(pairs: list[tuple[str, OutputDelta]]) -> dict[str, list[OutputDelta]]:
-    batches: dict[str, list[OutputDelta]] = defaultdict(list)
-    for client_id, delta in pairs:
-        batches[client_id].append(delta)
-    return batches
+def request_edge(config: EngineConfig, wiring: Wiring) -> Edge:
+    return Edge(wiring.request_address, config.max_request_bytes, auth_token=config.auth_token)
+
+
+def output_edge(config: EngineConfig, wiring: Wiring) -> Edge:
+    """Clients only greet this edge: small frames in, their outputs out."""
+    return Edge(wiring.output_address, GREETING_BYTES, config.client_send_hwm, config.auth_token)
 
 
 def model_info(config: EngineConfig, executor) -> ModelInfo:
@@ -123,7 +134,7 @@ def run_scheduler(config: EngineConfig, wiring: Wiring, control: Control, stop: 
     announces = Ring.attach(wiring.announce_ring)
     feedbacks = Ring.attach(wiring.feedback_ring)
     done = Lockstep.attach(wiring.lockstep)
-    edge = Edge(wiring.request_address, config.max_request_bytes)
+    edge = request_edge(config, wiring)
     front = FrontDoor(edge, scheduler, engine_info(config, model, wiring))
     decoder = feedback_decoder()
     lag = config.async_depth
@@ -178,7 +189,8 @@ def run_output(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
     announces = Ring.attach(wiring.announce_ring)
     feedbacks = Ring.attach(wiring.feedback_ring)
     done = Lockstep.attach(wiring.lockstep)
-    edge = Edge(wiring.output_address, config.max_request_bytes)
+    edge = output_edge(config, wiring)
+    door = OutputDoor(edge, processor, config)
     announcement = announcement_decoder()
     result_of = result_decoder()
 
@@ -188,19 +200,12 @@ def run_output(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
             deltas += processor.announce(announcement.decode(frame))
         return deltas
 
-    def send(deltas: list[tuple[str, OutputDelta]]) -> None:
-        for client_id in edge.send_outputs(group_by_client(deltas)):
-            logger.info("client %s is gone: aborting its requests", client_id)
-            processor.drop_client(client_id)
-
-    hello = encoder.encode(Hello(config.engine_id))
     control.ready()
     try:
         while not stop:
             # 1. client greetings; announcements that need no step (aborts of queued requests)
-            for client_id, _ in edge.receive(0.0):
-                edge.send(client_id, hello)
-            send(drain_announcements())
+            door.greet()
+            door.send(drain_announcements())
             # 2. the next result
             try:
                 with results.get_view(POLL_S) as frame:
@@ -214,7 +219,7 @@ def run_output(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
             feedbacks.put(encoder.encode(feedback))
             done.advance_to(result.step)
             # 5. stream the deltas
-            send(deltas + step_deltas)
+            door.send(deltas + step_deltas)
     finally:
         edge.close()
         for ring in (results, announces, feedbacks):

@@ -10,10 +10,15 @@ from __future__ import annotations
 import logging
 
 from mpengine.config import EngineConfig
-from mpengine.protocol import Hello, Wiring, encoder
-from mpengine.runtime.edges import Edge
-from mpengine.runtime.front import FrontDoor
-from mpengine.runtime.processes import POLL_S, engine_info, group_by_client, model_info
+from mpengine.protocol import Wiring
+from mpengine.runtime.front import FrontDoor, OutputDoor
+from mpengine.runtime.processes import (
+    POLL_S,
+    engine_info,
+    model_info,
+    output_edge,
+    request_edge,
+)
 from mpengine.runtime.stage import Control, StopFlag
 
 logger = logging.getLogger(__name__)
@@ -28,18 +33,17 @@ def run_serial(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
     model = model_info(config, executor)
     scheduler = Scheduler(config, model.num_blocks, model.vocab_size, model.max_model_len)
     processor = OutputProcessor(model.tokenizer_path, model.eos_token_ids)
-    requests = Edge(wiring.request_address, config.max_request_bytes)
-    outputs = Edge(wiring.output_address, config.max_request_bytes)
+    requests = request_edge(config, wiring)
+    outputs = output_edge(config, wiring)
     front = FrontDoor(requests, scheduler, engine_info(config, model, wiring))
-    hello = encoder.encode(Hello(config.engine_id))
+    door = OutputDoor(outputs, processor, config)
     feedback = []
     control.ready(model)
     try:
         while not stop:
             # 1. requests; greetings on the output edge
             front.serve(0.0 if scheduler.has_unfinished else POLL_S)
-            for client_id, _ in outputs.receive(0.0):
-                outputs.send(client_id, hello)
+            door.greet()
             # 2. schedule, 3. execute, 4. process: one after the other
             plan = scheduler.schedule(feedback)
             feedback = []
@@ -52,9 +56,7 @@ def run_serial(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
                 feedback.append(step_feedback)
                 deltas += step_deltas
             # 5. stream
-            for client_id in outputs.send_outputs(group_by_client(deltas)):
-                logger.info("client %s is gone: aborting its requests", client_id)
-                processor.drop_client(client_id)
+            door.send(deltas)
     finally:
         requests.close()
         outputs.close()

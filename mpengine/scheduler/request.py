@@ -65,6 +65,10 @@ class Sequence:
 
 @dataclass(slots=True, eq=False)
 class Request:
+    """A client's request. ``request_id`` is the client's name for it (unique per client);
+    ``key`` is the engine's (unique per engine, names its parameters in the executor)."""
+
+    key: int
     request_id: str
     client_id: str
     prompt_token_ids: list[int]
@@ -74,6 +78,11 @@ class Request:
     max_tokens: int  # capped so prompt + outputs fit max_model_len
     seqs: list[Sequence] = field(default_factory=list)
     announced: bool = False
+    params_sent: bool = False  # the executor holds its RequestParams
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling is not None and self.sampling.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -30,6 +30,7 @@ import msgspec
 import numpy as np
 
 from mpengine.config import EngineConfig
+from mpengine.limits import ABORT_CHUNK_BYTES, MAX_RELEASED_PER_PLAN, FrameLimits
 from mpengine.protocol import (
     AbortRequests,
     AddRequest,
@@ -37,6 +38,8 @@ from mpengine.protocol import (
     Array,
     Feedback,
     NewRequest,
+    RequestParams,
+    SamplingParams,
     SeqStart,
     StepPlan,
 )
@@ -62,9 +65,19 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_waiting_requests = config.max_waiting_requests
+        self.max_waiting_tokens = config.max_waiting_tokens
+        self.limits = FrameLimits.derive(config, max_model_len)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.free_slots = deque(range(config.num_slots))
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[tuple[str, str], Request] = {}  # by (client id, request id)
+        self.num_waiting_requests = 0  # the queue also holds aborted ones, skipped later
+        self.num_waiting_tokens = 0
+        self.released: list[int] = []  # request keys the executor may forget
+        # What the step being built may still spend (see limits.py).
+        self._extra_bytes = 0
+        self._prompt_logprob_tokens = 0
+        self._next_key = 0
         self.seqs: dict[int, Sequence] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []  # in admission order
@@ -82,11 +95,54 @@ class Scheduler:
 
     def add_request(self, req: AddRequest, client_id: str) -> None:
         """Queue a request, or raise RequestRejected with a message for its client."""
-        if req.request_id in self.requests:
+        if (client_id, req.request_id) in self.requests:
             raise RequestRejected(f"request id {req.request_id!r} is already in use")
         if req.pooling is not None:
             raise RequestRejected("this engine serves a generative model; pooling not supported")
         prompt = req.prompt_token_ids.numpy()
+        sampling = req.sampling
+        assert sampling is not None
+        max_tokens = self._check(prompt, sampling)
+        if self.num_waiting_requests >= self.max_waiting_requests:
+            raise RequestRejected(
+                f"overloaded: {self.num_waiting_requests} requests are waiting "
+                f"(max_waiting_requests={self.max_waiting_requests}); retry later",
+                "overloaded",
+            )
+        waiting_tokens = self.num_waiting_tokens + len(prompt)
+        if self.num_waiting_requests and waiting_tokens > self.max_waiting_tokens:
+            raise RequestRejected(
+                f"overloaded: {self.num_waiting_tokens} prompt tokens are waiting "
+                f"(max_waiting_tokens={self.max_waiting_tokens}); retry later",
+                "overloaded",
+            )
+        request = Request(
+            key=self._next_key,
+            request_id=req.request_id,
+            client_id=client_id,
+            prompt_token_ids=prompt.tolist(),
+            sampling=sampling,
+            pooling=None,
+            arrival_time=req.arrival_time or time.time(),
+            max_tokens=max_tokens,
+        )
+        self._next_key += 1
+        for index in range(sampling.n):
+            seq = Sequence(self._next_seq_id, request, index, list(request.prompt_token_ids))
+            self._next_seq_id += 1
+            request.seqs.append(seq)
+            self.seqs[seq.seq_id] = seq
+        for child in request.seqs[1:]:
+            child.fork_parent = request.seqs[0]
+        self.requests[client_id, req.request_id] = request
+        self.waiting.append(request)
+        self.num_waiting_requests += 1
+        self.num_waiting_tokens += len(prompt)
+        logger.debug("queued %s: %d prompt tokens, n=%d", req.request_id, len(prompt), sampling.n)
+
+    def _check(self, prompt: np.ndarray, sampling: SamplingParams) -> int:
+        """Reject what this engine cannot serve; return ``max_tokens`` capped so prompt and
+        output fit ``max_model_len``. (Sizes the protocol bounds are already checked.)"""
         if len(prompt) == 0:
             raise RequestRejected("the prompt is empty")
         if len(prompt) >= self.max_model_len:
@@ -98,43 +154,39 @@ class Scheduler:
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high
             raise RequestRejected(
-                f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
+                f"prompt_token_ids: token id {bad} is outside the vocabulary "
+                f"(0..{self.vocab_size - 1})"
             )
-        sampling = req.sampling
-        assert sampling is not None
+        for token_id in sampling.stop_token_ids:
+            if token_id >= self.vocab_size:
+                raise RequestRejected(
+                    f"sampling.stop_token_ids: token id {token_id} is outside the vocabulary "
+                    f"(0..{self.vocab_size - 1})"
+                )
         if sampling.n > self.max_num_seqs:
-            raise RequestRejected(f"n={sampling.n} exceeds max_num_seqs={self.max_num_seqs}")
+            raise RequestRejected(
+                f"sampling.n={sampling.n} exceeds max_num_seqs={self.max_num_seqs}"
+            )
         max_tokens = min(sampling.max_tokens, self.max_model_len - len(prompt))
+        if sampling.min_tokens > max_tokens:
+            raise RequestRejected(
+                f"sampling.min_tokens ({sampling.min_tokens}) exceeds max_tokens: at most "
+                f"{max_tokens} tokens fit after the {len(prompt)}-token prompt "
+                f"(max_model_len={self.max_model_len})"
+            )
         if self.blocks.blocks_for(len(prompt) + max_tokens) > self.blocks.num_blocks:
             raise RequestRejected(
                 f"the KV cache ({self.blocks.num_blocks} blocks) cannot hold this request",
                 "too_large",
             )
-        request = Request(
-            request_id=req.request_id,
-            client_id=client_id,
-            prompt_token_ids=prompt.tolist(),
-            sampling=sampling,
-            pooling=None,
-            arrival_time=req.arrival_time or time.time(),
-            max_tokens=max_tokens,
-        )
-        for index in range(sampling.n):
-            seq = Sequence(self._next_seq_id, request, index, list(request.prompt_token_ids))
-            self._next_seq_id += 1
-            request.seqs.append(seq)
-            self.seqs[seq.seq_id] = seq
-        for child in request.seqs[1:]:
-            child.fork_parent = request.seqs[0]
-        self.requests[req.request_id] = request
-        self.waiting.append(request)
-        logger.debug("queued %s: %d prompt tokens, n=%d", req.request_id, len(prompt), sampling.n)
+        return max_tokens
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Drop requests at this safe point (between plans); unknown ids are ignored."""
+    def abort(self, client_id: str, request_ids: list[str]) -> None:
+        """Drop a client's requests at this safe point (between plans); ids the client does
+        not have are ignored (another client's requests are out of reach)."""
         aborted = []
         for request_id in request_ids:
-            request = self.requests.get(request_id)
+            request = self.requests.get((client_id, request_id))
             if request is None:
                 continue
             if not request.announced:  # the output processor must know it to tell the client
@@ -146,8 +198,18 @@ class Scheduler:
             self.counters["aborted"] += 1
         self._release_done()
         if aborted:
-            logger.debug("aborted %s", aborted)
-            self.announcements.append(AbortRequests(aborted))
+            logger.debug("aborted %d requests of %s", len(aborted), client_id)
+        # In frames of bounded size: a client may abort thousands of long ids at once.
+        chunk: list[str] = []
+        size = 0
+        for request_id in aborted:
+            if chunk and size + len(request_id) * 4 > ABORT_CHUNK_BYTES:
+                self.announcements.append(AbortRequests(client_id, chunk))
+                chunk, size = [], 0
+            chunk.append(request_id)
+            size += len(request_id) * 4 + 3
+        if chunk:
+            self.announcements.append(AbortRequests(client_id, chunk))
 
     def take_announcements(self) -> list[Announcement]:
         """What the output processor must learn before the plan just built."""
@@ -185,6 +247,8 @@ class Scheduler:
             self.apply_feedback(fb)
         step = self.next_step
         budget = self.max_num_batched_tokens
+        self._extra_bytes = self.limits.plan_extra_bytes
+        self._prompt_logprob_tokens = self.limits.max_prompt_logprob_tokens
         chunks: list[tuple[Sequence, int]] = []
         starts: list[SeqStart] = []
         block_deltas: list[tuple[int, int, int]] = []
@@ -197,10 +261,10 @@ class Scheduler:
             if seq.fork_parent is not None and not self._try_fork(seq):
                 index += 1
                 continue
-            if not seq.wants_tokens():
+            num_tokens = self._chunk_size(seq, budget) if seq.wants_tokens() else 0
+            if num_tokens == 0:
                 index += 1
                 continue
-            num_tokens = min(len(seq) - seq.num_computed, budget)
             need = self.blocks.blocks_for(seq.num_computed + num_tokens) - len(seq.block_ids)
             while not self.blocks.can_allocate(need):
                 victim = self._victim(index)
@@ -211,7 +275,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 break  # it was the victim itself: nothing later in the list remains
             self._grow(seq, need, block_deltas)
-            chunks.append((seq, num_tokens))
+            self._take(seq, num_tokens, chunks)
             budget -= num_tokens
             index += 1
 
@@ -220,13 +284,20 @@ class Scheduler:
             budget = self._admit(step, budget, chunks, block_deltas)
 
         # Sequences that got a slot but no chunk yet (or a SeqStart) still need starting.
+        params: list[RequestParams] = []
         for seq, _ in chunks:
             if seq.slot < 0:
-                self._start(seq, starts, block_deltas)
+                self._start(seq, starts, params, block_deltas)
         if not chunks:
             return None
         self.next_step += 1
-        return self._plan(step, chunks, starts, block_deltas)
+        plan = self._plan(step, chunks, starts, block_deltas)
+        plan.new_requests = params
+        if self.released:
+            released = self.released[:MAX_RELEASED_PER_PLAN]
+            del self.released[:MAX_RELEASED_PER_PLAN]
+            plan.released_requests = Array.of(released, "int64")
+        return plan
 
     def _victim(self, index: int) -> Sequence:
         """The most recently admitted running sequence after ``index`` that holds blocks
@@ -243,38 +314,51 @@ class Scheduler:
             seq = self.preempted[0]
             if seq.num_inflight:
                 break
-            num_tokens = min(len(seq), budget)
+            num_tokens = self._chunk_size(seq, budget)
             need = self.blocks.blocks_for(num_tokens)
-            if not self.blocks.can_allocate(need):
+            if num_tokens == 0 or not self.blocks.can_allocate(need):
                 break
             self.preempted.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             self._grow(seq, need, block_deltas)
-            chunks.append((seq, num_tokens))
+            self._take(seq, num_tokens, chunks)
             budget -= num_tokens
             logger.debug("step %d: resumed seq %d (%d tokens)", step, seq.seq_id, len(seq))
         if self.preempted:
             return budget
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            if request.finished:  # aborted while waiting
+                self.waiting.popleft()
+                continue
             if len(self.running) + len(request.seqs) > self.max_num_seqs:
                 break
             parent = request.seqs[0]
-            num_tokens = min(len(parent), budget)
+            num_tokens = self._chunk_size(parent, budget)
             need = self.blocks.blocks_for(num_tokens)
             # Keep room for the siblings' own tail blocks so admitting does not preempt.
             reserve = (len(request.seqs) - 1) * 2
-            if not self.blocks.can_allocate(need + reserve):
+            params_bytes = FrameLimits.request_params_bytes(
+                request.num_prompt_tokens, request.wants_prompt_logprobs
+            )
+            if (
+                num_tokens == 0
+                or params_bytes > self._extra_bytes
+                or not self.blocks.can_allocate(need + reserve)
+            ):
                 break
+            self._extra_bytes -= params_bytes
             self.waiting.popleft()
+            self.num_waiting_requests -= 1
+            self.num_waiting_tokens -= request.num_prompt_tokens
             self.counters["admitted"] += 1
             self._announce(request)
             for seq in request.seqs:
                 seq.status = Status.RUNNING
                 self.running.append(seq)
             self._grow(parent, need, block_deltas)
-            chunks.append((parent, num_tokens))
+            self._take(parent, num_tokens, chunks)
             budget -= num_tokens
             logger.debug("step %d: admitted %s", step, request.request_id)
         return budget
@@ -287,13 +371,41 @@ class Scheduler:
         prompt_len = seq.num_prompt_tokens
         if parent.status is Status.RUNNING and parent.num_computed < prompt_len:
             return False  # wait for the parent's prefill
+        num_shared = (prompt_len - 1) // self.blocks.block_size
+        if parent.status is Status.RUNNING:
+            cost = FrameLimits.shared_table_bytes(num_shared)
+            if cost > self._extra_bytes:
+                return False  # this plan is full: fork in the next one
+            self._extra_bytes -= cost
         seq.fork_parent = None
         if parent.status is Status.RUNNING:
-            num_shared = (prompt_len - 1) // self.blocks.block_size
             seq.block_ids = self.blocks.share(parent.block_ids[:num_shared])
             seq.num_computed = num_shared * self.blocks.block_size
             self.counters["forked_blocks"] += num_shared
         return True
+
+    def _scores_prompt(self, seq: Sequence) -> bool:
+        """Whether computing this sequence's prompt yields prompt logprobs (sample 0, first
+        prefill; see ``_start``)."""
+        return (
+            seq.request.wants_prompt_logprobs
+            and seq.sample_index == 0
+            and seq.num_outputs == 0
+            and seq.num_computed < seq.num_prompt_tokens - 1
+        )
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        """Tokens to compute for ``seq`` now: what it lacks, within the step's token budget
+        and, for a prompt being scored, the step's prompt-logprob positions."""
+        num_tokens = min(len(seq) - seq.num_computed, budget)
+        if self._scores_prompt(seq):
+            num_tokens = min(num_tokens, self._prompt_logprob_tokens)
+        return num_tokens
+
+    def _take(self, seq: Sequence, num_tokens: int, chunks: list) -> None:
+        if self._scores_prompt(seq):
+            self._prompt_logprob_tokens -= num_tokens
+        chunks.append((seq, num_tokens))
 
     def _grow(self, seq: Sequence, need: int, block_deltas: list) -> None:
         first = len(seq.block_ids)
@@ -302,26 +414,37 @@ class Scheduler:
             return  # a new slot gets its whole table in _start
         block_deltas += [(seq.slot, i, seq.block_ids[i]) for i in range(first, len(seq.block_ids))]
 
-    def _start(self, seq: Sequence, starts: list[SeqStart], block_deltas: list) -> None:
+    def _start(
+        self,
+        seq: Sequence,
+        starts: list[SeqStart],
+        params: list[RequestParams],
+        block_deltas: list,
+    ) -> None:
         assert seq.num_computed <= len(seq)
         seq.slot = self.free_slots.popleft()
         request = seq.request
-        prompt_ids = None
+        if not request.params_sent:
+            request.params_sent = True
+            sampling = request.sampling
+            params.append(
+                RequestParams(
+                    key=request.key,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling=sampling.for_executor() if sampling is not None else None,
+                    pooling=request.pooling,
+                    prompt_token_ids=(
+                        Array.of(request.prompt_token_ids)
+                        if request.wants_prompt_logprobs
+                        else None
+                    ),
+                )
+            )
         # Prompt logprobs come from sample 0's prefill (again after a preemption before its
         # first output; the output processor keeps the first value of each position).
         first_prefill = seq.sample_index == 0 and seq.num_outputs == 0 and seq.num_computed == 0
-        if request.sampling.prompt_logprobs is not None and first_prefill:
-            prompt_ids = Array.of(request.prompt_token_ids)
-        starts.append(
-            SeqStart(
-                seq.slot,
-                seq.seq_id,
-                request.num_prompt_tokens,
-                request.sampling,
-                seq.sample_index,
-                prompt_token_ids=prompt_ids,
-            )
-        )
+        scores = request.wants_prompt_logprobs and first_prefill
+        starts.append(SeqStart(seq.slot, seq.seq_id, request.key, seq.sample_index, scores))
         block_deltas += [(seq.slot, i, b) for i, b in enumerate(seq.block_ids)]
 
     def _plan(
@@ -411,6 +534,7 @@ class Scheduler:
         logger.debug("preempted seq %d of %s", seq.seq_id, seq.request.request_id)
 
     def _finish(self, seq: Sequence) -> None:
+        was_waiting = seq.status is Status.WAITING
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.PREEMPTED:
@@ -419,9 +543,12 @@ class Scheduler:
         self.pending_release.append(seq)
         request = seq.request
         if request.finished:
-            if request in self.waiting:
-                self.waiting.remove(request)
-            del self.requests[request.request_id]
+            if was_waiting:  # it stays in the queue, skipped at admission (no O(n) removal)
+                self.num_waiting_requests -= 1
+                self.num_waiting_tokens -= request.num_prompt_tokens
+            if request.params_sent:
+                self.released.append(request.key)
+            del self.requests[request.client_id, request.request_id]
             request.seqs = []  # no request <-> sequence cycle left for the GC to find
             self.counters["finished"] += 1
 

@@ -9,7 +9,15 @@ deterministic function of the context, so a request's output can be checked agai
 
 from __future__ import annotations
 
-from mpengine.protocol import Array, Feedback, StepPlan, StepResult
+from mpengine.protocol import (
+    Array,
+    Feedback,
+    RequestParams,
+    SamplingParams,
+    SeqStart,
+    StepPlan,
+    StepResult,
+)
 
 
 def next_token(context: list[int], vocab_size: int) -> int:
@@ -35,10 +43,18 @@ class FakeExecutor:
         self.tables: dict[int, dict[int, int]] = {}
         self.last: dict[int, int] = {}
         self.cache: dict[tuple[int, int], int] = {}
+        self.requests: set[int] = set()  # parameter keys held, as the real executor does
+        self.params_sent = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
         bs = self.block_size
+        for params in plan.new_requests:  # sent once per request
+            assert params.key not in self.requests, f"request {params.key} sent twice"
+            assert params.sampling is None or not params.sampling.stop, "stops reach executor"
+            self.requests.add(params.key)
+            self.params_sent += 1
         for start in plan.new_seqs:
+            assert start.request in self.requests, f"seq {start.seq_id}: unknown request"
             self.tables[start.slot] = {}
             self.last.pop(start.slot, None)
         for slot, index, block in zip(
@@ -48,6 +64,8 @@ class FakeExecutor:
             strict=True,
         ):
             self.tables[slot][index] = block
+        for key in plan.released_requests.numpy().tolist():
+            self.requests.remove(key)
         tokens = plan.token_ids.numpy().tolist()
         offset = 0
         seq_ids, sampled = [], []
@@ -109,3 +127,17 @@ class FakeOutput:
                 done.append(seq_id)
                 reasons.append(reason)
         return Feedback(result.step, Array.of(seq_ids, "int64"), Array.of(tokens), done, reasons)
+
+
+def start_seq(
+    slot: int,
+    seq_id: int,
+    num_prompt_tokens: int,
+    sampling: SamplingParams,
+    sample_index: int = 0,
+    prompt_token_ids: Array | None = None,
+) -> tuple[SeqStart, RequestParams]:
+    """A plan's start of one sequence as its own request (key = seq id), for tests and
+    benchmarks that build plans by hand: ``new_seqs`` and ``new_requests`` entries."""
+    params = RequestParams(seq_id, num_prompt_tokens, sampling, None, prompt_token_ids)
+    return SeqStart(slot, seq_id, seq_id, sample_index, prompt_token_ids is not None), params

@@ -216,8 +216,9 @@ def test_abort_unknown_id_and_garbage_frames_are_harmless(engine, client):
         assert raw.poll(5000), "the engine answers a garbage frame with an error"
         reply = msgspec.msgpack.decode(raw.recv())
         assert reply[0] == "RequestError"
-        # Over the size limit: rejected by the engine, not by a dropped connection.
-        big = AddRequest("too-big", Array.of([1] * (5 * 1024 * 1024)), SamplingParams())
+        # Over the size limit (but under twice it): rejected with an error reply.
+        limit = engine.config.max_request_bytes
+        big = AddRequest("too-big", Array.of([1] * (limit // 4 + 1000)), SamplingParams())
         raw.send(encoder.encode(big))
         assert raw.poll(10000)
         reply = msgspec.msgpack.decode(raw.recv())
@@ -232,6 +233,31 @@ def test_abort_unknown_id_and_garbage_frames_are_harmless(engine, client):
     finally:
         ctx.destroy(linger=0)
     with pytest.raises(mpengine.InvalidRequestError, match="max_request_bytes"):
-        client.generate([1] * (5 * 1024 * 1024), SamplingParams())
+        client.generate([1] * (engine.config.max_request_bytes // 4), SamplingParams())
     ok = client.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(ok.token_ids) == 4
+
+
+def peak_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_huge_frame_is_refused_before_it_is_buffered(engine, client):
+    """libzmq reads the frame size first: past the limit it drops the connection unread."""
+    scheduler = engine.pids["scheduler"]
+    before = peak_rss_kib(scheduler)
+    ctx = zmq.Context()
+    try:
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.ROUTING_ID, b"huge-sender")
+        monitor = raw.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        raw.connect(engine.address)
+        raw.send(b"\x00" * (256 * 1024 * 1024), copy=False)
+        assert monitor.poll(30_000), "the engine closes the connection of a huge frame"
+    finally:
+        ctx.destroy(linger=0)
+    ok = client.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(ok.token_ids) == 4
+    assert peak_rss_kib(scheduler) - before < 64 * 1024, "the frame was not buffered"

@@ -18,7 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from mpengine.config import EngineConfig
 from mpengine.executor import Executor, attention
-from mpengine.protocol import Array, SamplingParams, SeqStart, StepPlan, StepResult
+from mpengine.protocol import Array, SamplingParams, StepPlan, StepResult
+from mpengine.testing.fake import start_seq
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
@@ -89,6 +90,7 @@ class Driver:
     def _plan(self, active: list[Seq]) -> tuple[StepPlan, list[Seq]]:
         bs = self.ex.info.block_size
         budget, rows, tokens, new, updates = self.budget, [], [], [], []
+        params = []
         for s in active:
             known = s.known
             n = min(len(known) - s.computed, self.chunk, budget)
@@ -98,16 +100,11 @@ class Driver:
                 s.slot = self.free_slots.pop(0)
                 with_prompt = s.params.prompt_logprobs is not None and not s.prompt_logprobs
                 ids = Array.of(s.prompt) if with_prompt else None
-                new.append(
-                    SeqStart(
-                        s.slot,
-                        s.seq_id,
-                        len(s.prompt),
-                        s.params,
-                        s.sample_index,
-                        prompt_token_ids=ids,
-                    )
+                start, request = start_seq(
+                    s.slot, s.seq_id, len(s.prompt), s.params, s.sample_index, ids
                 )
+                new.append(start)
+                params.append(request)
             while len(s.blocks) * bs < s.computed + n:
                 updates.append((s.slot, len(s.blocks), self.free_blocks[-1]))
                 s.blocks.append(self.free_blocks.pop())
@@ -134,6 +131,7 @@ class Driver:
             block_slots=Array.of(block_slots),
             block_indices=Array.of(block_indices),
             block_ids=Array.of(block_ids),
+            new_requests=params,
         )
         return plan, [r[0] for r in rows]
 
@@ -341,6 +339,10 @@ def test_failed_step_returns_error_and_executor_recovers(tiny: Executor, monkeyp
         return [s.output for s in Driver(tiny, chunk=8).run(seqs)]
 
     before = run()
+    (start_a, params_a), (start_b, params_b) = (
+        start_seq(0, 41, 2, GREEDY),
+        start_seq(1, 42, 1, GREEDY),
+    )
     bad = StepPlan(
         step=99,
         starts=Array.of([0, 0]),
@@ -349,10 +351,11 @@ def test_failed_step_returns_error_and_executor_recovers(tiny: Executor, monkeyp
         num_tokens=Array.of([2, 1]),
         sample=Array.of([True, True], "bool"),
         seq_ids=Array.of([41, 42], "int64"),
-        new_seqs=[SeqStart(0, 41, 2, GREEDY), SeqStart(1, 42, 1, GREEDY)],
+        new_seqs=[start_a, start_b],
         block_slots=Array.of([0, 1]),
         block_indices=Array.of([0, 0]),
         block_ids=Array.of([1, 10**6]),
+        new_requests=[params_a, params_b],
     )
     result = tiny.execute(bad)
     assert result.error and "block id" in result.error

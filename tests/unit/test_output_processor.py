@@ -226,7 +226,7 @@ def test_abort_announcement(proc: OutputProcessor, tok: Tokenizer) -> None:
     proc.announce(new("r", [1, 2], n=2, stop=["zzz"], max_tokens=9))
     proc.announce(new("other", [3]))
     proc.process(result(0, [(1, tok.encode("z").ids[0]), (2, 40), (3, 40)]))
-    out = proc.announce(AbortRequests(["r", "unknown"], reason="error", message="boom"))
+    out = proc.announce(AbortRequests("c1", ["r", "unknown"], reason="error", message="boom"))
     assert [(d.index, d.finish_reason, d.error) for _, d in out] == [
         (0, "error", "boom"),
         (1, "error", "boom"),
@@ -236,7 +236,7 @@ def test_abort_announcement(proc: OutputProcessor, tok: Tokenizer) -> None:
     feedback, out = proc.process(result(1, [(1, 40), (3, 40)]))
     assert [d.request_id for _, d in out] == ["other"]
     assert feedback.finished_seq_ids == []  # the scheduler aborted them itself
-    assert proc.announce(AbortRequests(["r"])) == []
+    assert proc.announce(AbortRequests("c1", ["r"])) == []
 
 
 def test_drop_client(proc: OutputProcessor) -> None:
@@ -261,13 +261,13 @@ def test_failed_step(proc: OutputProcessor) -> None:
         1,
         Array.of([], "int64"),
         Array.of([]),
-        error="device lost",
-        failed_seq_ids=Array.of([1, 2, 99]),
+        failed_seq_ids=Array.of([1, 2, 99], "int64"),
+        errors=["device lost", "bad token", "unknown"],
     )
     feedback, out = proc.process(failed)
     assert [(d.request_id, d.finish_reason, d.error) for _, d in out] == [
         ("a", "error", "device lost"),
-        ("b", "error", "device lost"),
+        ("b", "error", "bad token"),
     ]
     assert feedback.finished_seq_ids == [1, 2] and feedback.finish_reasons == ["error", "error"]
     assert proc.num_unfinished == 0
@@ -385,3 +385,31 @@ def test_final_text_equals_a_full_decode(
     assert text == reference(full, stops)
     assert sent_ids == ids[: len(sent_ids)]
     assert outputs[-1][1].finish_reason == ("stop" if text != full else "length")
+
+
+def test_request_ids_are_scoped_to_their_client(proc: OutputProcessor) -> None:
+    proc.announce(new("same", [1], client="alice"))
+    proc.announce(new("same", [2], client="bob"))
+    assert proc.num_unfinished == 2
+    # Bob aborting "same" ends only his request.
+    out = proc.announce(AbortRequests("bob", ["same"]))
+    assert [(client, d.request_id, d.finish_reason) for client, d in out] == [
+        ("bob", "same", "abort")
+    ]
+    _, out = proc.process(result(0, [(1, 40), (2, 41)]))
+    assert [client for client, _ in out] == ["alice"]
+
+
+def test_abort_client_returns_final_deltas_and_reports_them(proc: OutputProcessor) -> None:
+    proc.announce(new("a", [1, 2], client="slow", n=2))
+    proc.announce(new("b", [3], client="fast"))
+    proc.process(result(0, [(1, 40), (2, 41), (3, 42)]))
+    finals = proc.abort_client("slow", "too slow")
+    assert sorted((d.index, d.finish_reason, d.error) for _, d in finals) == [
+        (0, "abort", "too slow"),
+        (1, "abort", "too slow"),
+    ]
+    feedback, out = proc.process(result(1, [(1, 40), (3, 42)]))
+    assert [client for client, _ in out] == ["fast"]
+    assert sorted(feedback.finished_seq_ids) == [1, 2]
+    assert proc.abort_client("slow", "again") == []

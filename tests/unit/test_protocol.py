@@ -26,6 +26,7 @@ from mpengine.protocol import (
     PoolingParams,
     PromptLogprobs,
     RequestHeader,
+    RequestParams,
     SamplingParams,
     SeqStart,
     StepPlan,
@@ -48,7 +49,7 @@ SAMPLES = [
     ("client_request", AddRequest("r", IDS, pooling=PoolingParams(pooling="mean"))),
     ("client_request", Abort(["a", "b"])),
     ("announcement", NewRequest("r", "c", [1, 2], 3, SamplingParams(n=2), None, 1.0, 2.0)),
-    ("announcement", AbortRequests(["r"], "error", "boom")),
+    ("announcement", AbortRequests("c", ["r"], "error", "boom")),
     (
         "plan",
         StepPlan(
@@ -59,10 +60,12 @@ SAMPLES = [
             Array.of([3]),
             Array.of([True], "bool"),
             Array.of([9], "int64"),
-            [SeqStart(3, 9, 2, SamplingParams())],
+            [SeqStart(3, 9, 5, 0, True)],
             Array.of([3]),
             Array.of([0]),
             Array.of([11]),
+            [RequestParams(5, 2, SamplingParams(), None, Array.of([1, 2]))],
+            Array.of([4], "int64"),
         ),
     ),
     (

@@ -78,7 +78,7 @@ def test_outputs_match_reference_with_preemption(lag):
         prompt = [rng.randrange(6, VOCAB) for _ in range(rng.randint(1, 30))]
         prompts[f"r{i}"] = (prompt, rng.randint(1, 20))
         add(sched, f"r{i}", prompt, max_tokens=prompts[f"r{i}"][1])
-    seq_ids = {rid: [s.seq_id for s in sched.requests[rid].seqs] for rid in prompts}
+    seq_ids = {rid: [s.seq_id for s in sched.requests["client", rid].seqs] for rid in prompts}
     run(sched, output, lag)
     assert sched.counters["preemptions"] > 0, "the cache was meant to be too small"
     for rid, (prompt, max_tokens) in prompts.items():
@@ -94,7 +94,7 @@ def test_n_samples_share_prompt_blocks(lag):
     output = FakeOutput(EOS)
     prompt = list(range(10, 40))
     add(sched, "r", prompt, max_tokens=6, n=3)
-    seq_ids = [s.seq_id for s in sched.requests["r"].seqs]
+    seq_ids = [s.seq_id for s in sched.requests["client", "r"].seqs]
     shared = []
 
     def on_step(sched, plan):
@@ -112,7 +112,7 @@ def test_lag1_finished_request_wastes_one_slot_and_frees_after_its_last_step():
     sched = make_scheduler()
     output = FakeOutput(eos=-1)  # finish by max_tokens only... and by a stop we force:
     add(sched, "r", [10, 11, 12], max_tokens=50)
-    (seq_id,) = [s.seq_id for s in sched.requests["r"].seqs]
+    (seq_id,) = [s.seq_id for s in sched.requests["client", "r"].seqs]
     executor = FakeExecutor(4, VOCAB)
     plans = [sched.schedule()]
     for ann in sched.take_announcements():
@@ -140,7 +140,7 @@ def test_abort_frees_blocks_at_next_safe_point():
     add(sched, "b", list(range(10, 20)), max_tokens=100)
     executor = FakeExecutor(4, VOCAB)
     executor.execute(sched.schedule())
-    sched.abort(["a", "unknown"])
+    sched.abort("client", ["a", "unknown"])
     anns = sched.take_announcements()
     assert [type(a).__name__ for a in anns][-1] == "AbortRequests"
     assert anns[-1].request_ids == ["a"]
@@ -149,13 +149,13 @@ def test_abort_frees_blocks_at_next_safe_point():
     fb = Feedback(1, Array.of([], "int64"), Array.of([]))
     plan = sched.schedule([fb])
     assert plan is not None and set(plan.seq_ids.numpy().tolist()) == {1}
-    assert "a" not in sched.requests
+    assert ("client", "a") not in sched.requests
 
 
 def test_abort_of_waiting_request_is_announced_then_aborted():
     sched = make_scheduler()
     add(sched, "w", [10, 11])
-    sched.abort(["w"])
+    sched.abort("client", ["w"])
     names = [type(a).__name__ for a in sched.take_announcements()]
     assert names == ["NewRequest", "AbortRequests"]
     assert sched.schedule() is None and not sched.has_unfinished
@@ -235,7 +235,7 @@ def test_property_random_workloads_match_reference(lengths, num_blocks, lag, see
     for i, (plen, max_tokens) in enumerate(lengths):
         prompt = [rng.randrange(6, VOCAB) for _ in range(plen)]
         add(sched, f"r{i}", prompt, max_tokens=max_tokens)
-        expected[sched.requests[f"r{i}"].seqs[0].seq_id] = reference_generate(
+        expected[sched.requests["client", f"r{i}"].seqs[0].seq_id] = reference_generate(
             prompt, max_tokens, EOS, VOCAB
         )
     run(sched, output, lag)

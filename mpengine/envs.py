@@ -1,0 +1,32 @@
+"""Debug switches: the only environment variables the engine reads (in its stages).
+
+They exist for tests and diagnosis, never for behaviour a user should configure (that is
+``EngineConfig``). Stages inherit the launcher's environment, so a test sets them before
+``mpengine.launch``.
+
+- ``MPENGINE_FAULT_STEPS``: comma-separated step numbers whose forward pass raises in the
+  executor (every sequence of those steps fails; the engine must keep serving the rest).
+- ``MPENGINE_FAULT_SEQS``: comma-separated sequence ids whose sampling raises in the
+  executor (only those sequences fail).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _ints(name: str) -> frozenset[int]:
+    raw = os.environ.get(name, "")
+    return frozenset(int(part) for part in raw.split(",") if part.strip())
+
+
+def fault_steps() -> frozenset[int]:
+    return _ints("MPENGINE_FAULT_STEPS")
+
+
+def fault_seqs() -> frozenset[int]:
+    return _ints("MPENGINE_FAULT_SEQS")
+
+
+class InjectedFault(RuntimeError):
+    """Raised where a debug switch asks for a failure."""

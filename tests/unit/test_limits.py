@@ -1,0 +1,188 @@
+"""Client-controlled sizes: admission checks naming the field, frames bounded by the rings,
+per-client request ids, and the waiting-queue caps. No model, no processes."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from mpengine.config import EngineConfig, MiB
+from mpengine.limits import ABORT_CHUNK_BYTES, RING_HEADER, ConfigError, FrameLimits
+from mpengine.protocol import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    AbortRequests,
+    AddRequest,
+    Array,
+    SamplingParams,
+    encoder,
+)
+from mpengine.scheduler import RequestRejected, Scheduler
+from mpengine.testing.fake import FakeExecutor, FakeOutput
+
+VOCAB = 97
+
+
+def make(max_len: int = 512, num_blocks: int = 256, **config) -> Scheduler:
+    config.setdefault("block_size", 4)
+    config.setdefault("max_num_seqs", 16)
+    config.setdefault("max_num_batched_tokens", 64)
+    return Scheduler(EngineConfig(**config), num_blocks, VOCAB, max_len)
+
+
+def add(sched: Scheduler, request_id: str, prompt: list[int], client: str = "c", **params):
+    sched.add_request(AddRequest(request_id, Array.of(prompt), SamplingParams(**params)), client)
+
+
+def decode_params(**params) -> SamplingParams:
+    """Decode params as the engine does (the constraints are checked on decode)."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, "stop"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+        ({"stop_token_ids": list(range(2000))}, "stop_token_ids"),
+        ({"top_k": 2**63 - 1}, "top_k"),
+        ({"n": 65}, "n"),
+        ({"max_tokens": 2**40}, "max_tokens"),
+    ],
+)
+def test_sizes_a_client_controls_are_bounded_at_decode(params, field) -> None:
+    with pytest.raises(msgspec.ValidationError, match=field):
+        decode_params(**params)
+
+
+def test_non_finite_temperature_is_refused() -> None:
+    with pytest.raises(msgspec.ValidationError, match="temperature must be finite"):
+        decode_params(temperature=float("inf"))
+
+
+def test_min_tokens_above_capped_max_tokens_is_rejected_naming_the_field() -> None:
+    sched = make(max_len=256)
+    with pytest.raises(RequestRejected, match=r"sampling\.min_tokens \(4000\) exceeds max_tokens"):
+        add(sched, "r", [5] * 200, max_tokens=4000, min_tokens=4000)
+    add(sched, "ok", [5] * 200, max_tokens=4000, min_tokens=56)  # exactly what fits
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_rejected() -> None:
+    with pytest.raises(RequestRejected, match=r"sampling\.stop_token_ids: token id 97"):
+        add(make(), "r", [5, 6], stop_token_ids=[3, VOCAB])
+
+
+def test_waiting_queue_caps_answer_overloaded() -> None:
+    sched = make(max_waiting_requests=3, max_waiting_tokens=100)
+    for i in range(3):
+        add(sched, f"r{i}", [5] * 10)
+    with pytest.raises(RequestRejected, match="max_waiting_requests=3") as info:
+        add(sched, "r3", [5] * 10)
+    assert info.value.kind == "overloaded"
+    sched.abort("c", ["r0"])  # an aborted request leaves the queue
+    with pytest.raises(RequestRejected, match="max_waiting_tokens=100") as info:
+        add(sched, "big", [5] * 90)
+    assert info.value.kind == "overloaded"
+    add(sched, "small", [5] * 70)
+    # An empty queue takes any prompt that fits the model, whatever the token cap.
+    lone = make(max_waiting_tokens=10)
+    add(lone, "long", [5] * 300)
+
+
+def test_request_ids_are_scoped_to_their_client() -> None:
+    sched = make()
+    add(sched, "same", [5, 6], client="alice")
+    add(sched, "same", [5, 6], client="bob")  # no clash
+    with pytest.raises(RequestRejected, match="already in use"):
+        add(sched, "same", [5, 6], client="bob")
+    sched.abort("mallory", ["same"])  # cannot touch the others'
+    assert sched.take_announcements() == []
+    assert sched.counters["aborted"] == 0
+    sched.abort("bob", ["same"])
+    (*_, aborted) = sched.take_announcements()
+    assert isinstance(aborted, AbortRequests) and aborted.client_id == "bob"
+    assert ("alice", "same") in sched.requests and ("bob", "same") not in sched.requests
+
+
+def test_mass_abort_is_announced_in_bounded_frames() -> None:
+    sched = make(max_waiting_requests=5000)
+    ids = [f"{i:0200d}" for i in range(3000)]
+    for request_id in ids:
+        add(sched, request_id, [5, 6])
+    sched.take_announcements()
+    sched.abort("c", ids)
+    aborts = [a for a in sched.take_announcements() if isinstance(a, AbortRequests)]
+    assert len(aborts) > 1
+    assert [rid for a in aborts for rid in a.request_ids] == ids
+    assert max(len(encoder.encode(a)) for a in aborts) <= ABORT_CHUNK_BYTES + 1024
+
+
+def drive(sched: Scheduler, limit: int) -> tuple[list[int], FakeExecutor]:
+    """Run to completion (async depth 0) checking every plan fits the ring; return the
+    encoded plan sizes and the fake executor."""
+    executor = FakeExecutor(sched.blocks.block_size, VOCAB)
+    output = FakeOutput(eos=-1)
+    feedback, sizes = [], []
+    for _ in range(20_000):
+        plan = sched.schedule(feedback)
+        feedback = []
+        for ann in sched.take_announcements():
+            if type(ann).__name__ == "NewRequest":
+                for seq_id in ann.seq_ids:
+                    output.add(seq_id, ann.sampling.max_tokens)
+        if plan is None:
+            if not sched.has_unfinished:
+                return sizes, executor
+            continue
+        sizes.append(len(encoder.encode(plan)))
+        assert sizes[-1] <= limit, f"plan of {sizes[-1]} bytes exceeds the ring's {limit}"
+        feedback.append(output.process(executor.execute(plan)))
+    raise AssertionError("no progress")
+
+
+def test_plans_fit_the_ring_when_many_samples_fork_long_prompts() -> None:
+    # A small ring: 16 requests of n=16 samples fork 15 x 255 shared blocks each.
+    config = {"ring_bytes": 1 * MiB, "max_request_bytes": 256 * 1024, "block_size": 4}
+    sched = make(
+        max_len=2048, num_blocks=16_000, max_num_seqs=64, max_num_batched_tokens=4096, **config
+    )
+    for i in range(16):
+        add(sched, f"r{i}", [5 + i] * 1021, n=16, max_tokens=3, stop=["zz" * 500] * 8)
+    sizes, executor = drive(sched, sched.limits.plan_fixed_bytes + sched.limits.plan_extra_bytes)
+    assert max(sizes) <= 1 * MiB - RING_HEADER
+    # Parameters crossed once per request, without their stop strings.
+    assert executor.params_sent == 16
+    assert executor.requests == set(sched.released)  # released by the next plan
+    assert sched.blocks.num_free == sched.blocks.num_blocks
+
+
+def test_prompt_logprob_positions_per_step_are_capped() -> None:
+    sched = make(
+        max_len=4096,
+        num_blocks=4096,
+        max_num_batched_tokens=4096,
+        ring_bytes=256 * 1024,
+        max_request_bytes=64 * 1024,
+    )
+    cap = sched.limits.max_prompt_logprob_tokens
+    assert cap < 3000
+    add(sched, "r", [5] * 3000, max_tokens=2, prompt_logprobs=20)
+    plan = sched.schedule()
+    assert plan is not None and int(plan.num_tokens.numpy()[0]) == cap
+
+
+def test_a_ring_too_small_for_the_batch_limits_is_refused_naming_the_option() -> None:
+    config = EngineConfig(
+        ring_bytes=256 * 1024,
+        max_request_bytes=64 * 1024,
+        max_num_batched_tokens=65536,
+        max_num_seqs=1024,
+    )
+    with pytest.raises(ConfigError, match=r"ring_bytes \(262144\) is too small"):
+        FrameLimits.derive(config, max_model_len=32768)
+
+
+def test_ring_must_hold_a_request() -> None:
+    with pytest.raises(ValueError, match=r"ring_bytes .* must be at least max_request_bytes"):
+        EngineConfig(ring_bytes=4 * MiB, max_request_bytes=4 * MiB)
