@@ -103,7 +103,8 @@ class FrontDoor:
                 self._reply(client_id, TokenizerFile(msg.query_id, self._tokenizer()))
 
     def _reply(self, client_id: bytes, msg: msgspec.Struct) -> None:
-        self.edge.send(client_id, encoder.encode(msg))
+        if self.edge.send(client_id, encoder.encode(msg)) is Sent.FULL:
+            logger.debug("dropped a %s for %r: it does not read", type(msg).__name__, client_id)
 
     def _tokenizer(self) -> bytes:
         """The engine's ``tokenizer.json`` (empty when it has none to share)."""

@@ -76,7 +76,14 @@ def engine_info(config: EngineConfig, model: ModelInfo, wiring: Wiring) -> Engin
 
 
 def request_edge(config: EngineConfig, wiring: Wiring) -> Edge:
-    return Edge(wiring.request_address, config.max_request_bytes, auth_token=config.auth_token)
+    """Replies (errors, stats) to a client that does not read them are dropped past
+    ``client_send_hwm``, never buffered without bound."""
+    return Edge(
+        wiring.request_address,
+        config.max_request_bytes,
+        config.client_send_hwm,
+        config.auth_token,
+    )
 
 
 def output_edge(config: EngineConfig, wiring: Wiring) -> Edge:
