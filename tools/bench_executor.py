@@ -1,30 +1,40 @@
-"""Micro-benchmark of ``Executor.execute``: a decode step and a mixed step.
+"""Micro-benchmark of ``Executor.execute``: decode, uneven-decode and mixed steps, prefill.
 
-    python tools/bench_executor.py [--model tiny] [--seqs 64] [--context 128] [--chunk 193]
+    python tools/bench_executor.py [--model tiny] [--seqs 1 16 64 256] \\
+        [--contexts 128 512 1024] [--backends torch] [--json bench_executor.json]
 
-Fills ``--seqs`` sequences with ``--context`` prompt tokens each, then times
+Per attention backend (default: those this machine runs, torch on the CPU, triton and torch
+on a GPU; ``default`` leaves the choice to the executor) and context length: one executor
+prefills the largest sequence count with prompts of that length in steps of
+``--prefill-tokens`` tokens (prefill tokens/s), then, per sequence count ``n``, times
 
-* decode: every sequence computes one token and samples (greedy, or ``--temperature``);
-* mixed: ``seqs - 1`` decodes plus one new ``--chunk``-token prefill chunk.
+* decode: ``n`` sequences, one token each, all at that context;
+* uneven: the same with one sequence at the context and the others at 1/8 of it (padding
+  every decode to the longest would read ~8x the keys);
+* mixed: ``n - 1`` decodes plus one fresh ``--chunk``-token prefill chunk.
 
-Prints the median and p90 wall time per step (``Executor.execute``, end to end) and the
-median process CPU time, which a busy machine inflates less (with one torch thread it is
-the step's cost had it had a core to itself).
+Decodes recompute the same position each step (``-1``: the slot's last sampled token), so
+contexts stay fixed. Prints the median wall time per step and the median process CPU time
+(a busy machine inflates it less), writes every sample to JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
 
 import numpy as np
+import torch
 
 from mpengine.config import EngineConfig
 from mpengine.executor import Executor
 from mpengine.protocol import Array, RequestParams, SamplingParams, SeqStart, StepPlan
 from mpengine.testing.fake import start_seq
+
+BLOCK_SIZE = 16
 
 
 def plan(
@@ -35,6 +45,7 @@ def plan(
     token_ids: np.ndarray,
     new: list[tuple[SeqStart, RequestParams]] | None = None,
     blocks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    sample: np.ndarray | None = None,
 ) -> StepPlan:
     empty = np.zeros(0, np.int32)
     block_slots, block_indices, block_ids = blocks or (empty, empty, empty)
@@ -44,7 +55,7 @@ def plan(
         token_ids=Array.of(token_ids),
         slots=Array.of(slots),
         num_tokens=Array.of(num_tokens),
-        sample=Array.of(np.ones(len(slots), bool), "bool"),
+        sample=Array.of(np.ones(len(slots), bool) if sample is None else sample, "bool"),
         seq_ids=Array.of(slots, "int64"),
         new_seqs=[start for start, _ in new or []],
         new_requests=[params for _, params in new or []],
@@ -54,92 +65,200 @@ def plan(
     )
 
 
+class Bench:
+    """One executor whose ``max_seqs`` sequences hold ``context`` prompt tokens each."""
+
+    def __init__(self, args: argparse.Namespace, backend: str, context: int) -> None:
+        self.args, self.context = args, context
+        self.max_seqs = max(args.seqs)
+        n = self.max_seqs
+        self.blocks_per_seq = math.ceil((context + args.chunk + 1) / BLOCK_SIZE)
+        config = EngineConfig(
+            model=args.model,
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks_override=(n + 1) * self.blocks_per_seq,
+            max_num_seqs=n,
+            max_num_batched_tokens=args.prefill_tokens,
+            num_threads=args.threads,
+        ).resolve()
+        kwargs = {} if backend == "default" else {"attention_backend": backend}
+        self.executor = Executor(config, **kwargs)
+        self.backend = getattr(self.executor, "backend", backend)
+        self.rng = np.random.default_rng(0)
+        self.params = SamplingParams(temperature=args.temperature, max_tokens=10**6)
+        self.step = 0
+        # Shuffled blocks, each slot owning its share for the whole run; slot n is the
+        # mixed steps' prefill chunk.
+        owned = self.rng.permutation((n + 1) * self.blocks_per_seq)
+        self.owned = owned.reshape(n + 1, self.blocks_per_seq).astype(np.int32)
+
+    def prefill(self) -> float:
+        """Fill every sequence's prompt; returns prefill tokens/s."""
+        n, context, vocab = self.max_seqs, self.context, self.executor.info.vocab_size
+        prompts = self.rng.integers(3, vocab, (n, context)).astype(np.int32)
+        budget = max(self.args.prefill_tokens, 1)
+        slots = np.arange(n, dtype=np.int32)
+        table_slots = np.repeat(slots, self.blocks_per_seq)
+        table_indices = np.tile(np.arange(self.blocks_per_seq, dtype=np.int32), n)
+        pending = {int(s): 0 for s in slots}  # slot -> tokens computed
+        started: set[int] = set()
+        elapsed, total = 0.0, 0
+        while pending:
+            rows, left = [], budget
+            for s, done in pending.items():
+                if left <= 0:
+                    break
+                take = min(context - done, left)
+                rows.append((s, done, take))
+                left -= take
+            new = [start_seq(s, s, context, self.params) for s, _, _ in rows if s not in started]
+            fresh = np.array([s for s, _, _ in rows if s not in started], np.int32)
+            blocks = None
+            if len(fresh):
+                keep = np.isin(table_slots, fresh)
+                blocks = (
+                    table_slots[keep],
+                    table_indices[keep],
+                    self.owned[table_slots[keep], table_indices[keep]],
+                )
+            step_plan = plan(
+                self.next_step(),
+                np.array([s for s, _, _ in rows], np.int32),
+                np.array([d for _, d, _ in rows], np.int32),
+                np.array([t for _, _, t in rows], np.int32),
+                np.concatenate([prompts[s, d : d + t] for s, d, t in rows]),
+                new,
+                blocks,
+                sample=np.array([d + t == context for _, d, t in rows], bool),
+            )
+            started.update(int(s) for s in fresh)
+            wall, _ = self.timed(step_plan)
+            elapsed += wall
+            total += sum(t for _, _, t in rows)
+            for s, d, t in rows:
+                if d + t == context:
+                    del pending[s]
+                else:
+                    pending[s] = d + t
+        return total / elapsed
+
+    def next_step(self) -> int:
+        self.step += 1
+        return self.step
+
+    def decode(self, n: int, uneven: bool) -> list[tuple[float, float]]:
+        slots = np.arange(n, dtype=np.int32)
+        starts = np.full(n, self.context, np.int32)
+        if uneven:
+            starts[1:] = max(self.context // 8, 1)
+        ones = np.ones(n, np.int32)
+        return [
+            self.timed(plan(self.next_step(), slots, starts, ones, -ones))
+            for _ in range(self.args.steps)
+        ]
+
+    def mixed(self, n: int) -> list[tuple[float, float]]:
+        chunk = self.args.chunk
+        tokens = self.rng.integers(3, self.executor.info.vocab_size, chunk).astype(np.int32)
+        m = self.max_seqs
+        slots = np.append(np.arange(n - 1), m).astype(np.int32)
+        starts = np.append(np.full(n - 1, self.context, np.int32), 0)
+        num_tokens = np.append(np.ones(n - 1, np.int32), chunk)
+        token_ids = np.concatenate([-np.ones(n - 1, np.int32), tokens])
+        rows = np.arange(self.blocks_per_seq, dtype=np.int32)
+        blocks = (np.full(self.blocks_per_seq, m, np.int32), rows, self.owned[m])
+        samples = []
+        for _ in range(self.args.steps):
+            # The chunk's slot restarts each time, reusing its blocks.
+            fresh = [start_seq(m, m, chunk, self.params)]
+            p = plan(self.next_step(), slots, starts, num_tokens, token_ids, fresh, blocks)
+            samples.append(self.timed(p))
+        return samples
+
+    def timed(self, step_plan: StepPlan) -> tuple[float, float]:
+        """(wall, process CPU) seconds of one step."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = self.executor.execute(step_plan)
+        assert result.error is None, result.error
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def medians(samples: list[tuple[float, float]]) -> dict:
+    kept = samples[2:] if len(samples) > 4 else samples  # the first steps warm up
+    return {
+        "wall_ms": statistics.median(w for w, _ in kept) * 1e3,
+        "cpu_ms": statistics.median(c for _, c in kept) * 1e3,
+        "samples_ms": [round(w * 1e3, 3) for w, _ in samples],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--seqs", type=int, default=64)
-    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024])
+    parser.add_argument("--backends", nargs="+", default=None)
     parser.add_argument("--chunk", type=int, default=193)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--json", default="bench_executor.json")
     args = parser.parse_args()
+    backends = args.backends or (["triton", "torch"] if torch.cuda.is_available() else ["torch"])
 
-    block_size = 16
-    max_len = args.context + args.steps * 2 + args.chunk + 1
-    blocks_per_seq = math.ceil(max_len / block_size)
-    config = EngineConfig(
-        model=args.model,
-        block_size=block_size,
-        num_gpu_blocks_override=(args.seqs + 1) * blocks_per_seq,
-        max_num_seqs=args.seqs,
-        max_num_batched_tokens=args.seqs * args.context,
-        num_threads=args.threads,
-    ).resolve()
-    executor = Executor(config)
-    print(f"{executor.info}")
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=args.temperature, max_tokens=10**6)
-    n = args.seqs
-    slots = np.arange(n, dtype=np.int32)
-    # Shuffled blocks, each sequence owning its share for the whole run.
-    owned = rng.permutation((n + 1) * blocks_per_seq).reshape(n + 1, blocks_per_seq)
-    block_slots = np.repeat(np.arange(n + 1), blocks_per_seq).astype(np.int32)
-    block_indices = np.tile(np.arange(blocks_per_seq), n + 1).astype(np.int32)
-    table = (block_slots, block_indices, owned.reshape(-1).astype(np.int32))
-    prompts = rng.integers(3, executor.info.vocab_size, (n, args.context)).astype(np.int32)
-    new = [start_seq(int(s), int(s), args.context, params) for s in slots]
-    prefill = plan(
-        0,
-        slots,
-        np.zeros(n, np.int32),
-        np.full(n, args.context, np.int32),
-        prompts.reshape(-1),
-        new,
-        table,
+    rows = []
+    for backend in backends:
+        for context in args.contexts:
+            bench = Bench(args, backend, context)
+            prefill = bench.prefill()
+            print(f"{bench.backend} context {context}: prefill {prefill:,.0f} tokens/s", flush=True)
+            for n in args.seqs:
+                row = {
+                    "backend": bench.backend,
+                    "context": context,
+                    "seqs": n,
+                    "prefill_tokens_per_s": prefill,
+                    "decode": medians(bench.decode(n, uneven=False)),
+                    "uneven": medians(bench.decode(n, uneven=True)),
+                    "mixed": medians(bench.mixed(n)),
+                }
+                rows.append(row)
+                print(
+                    f"  {n:4} seqs: decode {row['decode']['wall_ms']:7.2f} ms"
+                    f"  uneven {row['uneven']['wall_ms']:7.2f} ms"
+                    f"  mixed {row['mixed']['wall_ms']:7.2f} ms",
+                    flush=True,
+                )
+            del bench
+
+    print()
+    print(
+        f"{'backend':8}{'context':>8}{'seqs':>6}{'decode ms':>11}{'(cpu)':>8}{'uneven ms':>11}"
+        f"{'(cpu)':>8}{'mixed ms':>10}{'(cpu)':>8}{'prefill tok/s':>15}"
     )
-    assert executor.execute(prefill).error is None
-
-    step, position = 1, args.context
-    decode_times: list[tuple[float, float]] = []
-    mixed_times: list[tuple[float, float]] = []
-    ones = np.ones(n, np.int32)
-    for _ in range(args.steps):
-        p = plan(step, slots, np.full(n, position, np.int32), ones, -ones)
-        decode_times.append(timed(executor, p))
-        step, position = step + 1, position + 1
-
-    chunk = rng.integers(3, executor.info.vocab_size, args.chunk).astype(np.int32)
-    mixed_slots = np.append(slots[:-1], n).astype(np.int32)
-    for _ in range(args.steps):
-        fresh = [start_seq(n, n, args.chunk, params)]
-        # The chunk's slot restarts each time, reusing its blocks (they stay in the table row).
-        rows = (np.full(blocks_per_seq, n, np.int32), np.arange(blocks_per_seq, dtype=np.int32))
-        starts = np.append(np.full(n - 1, position, np.int32), 0)
-        num_tokens = np.append(np.ones(n - 1, np.int32), args.chunk)
-        tokens = np.concatenate([-np.ones(n - 1, np.int32), chunk])
-        p = plan(
-            step, mixed_slots, starts, num_tokens, tokens, fresh, (*rows, owned[n].astype(np.int32))
-        )
-        mixed_times.append(timed(executor, p))
-        step, position = step + 1, position + 1
-
-    for name, samples in (("decode", decode_times), (f"mixed (+{args.chunk})", mixed_times)):
-        wall = sorted(w for w, _ in samples[2:])  # drop warm-up
-        cpu = statistics.median(c for _, c in samples[2:])
+    for r in rows:
         print(
-            f"{name:>14}: median {statistics.median(wall) * 1e3:7.2f} ms"
-            f"  p90 {wall[int(0.9 * (len(wall) - 1))] * 1e3:7.2f} ms  cpu {cpu * 1e3:7.2f} ms"
-            f"  ({n} seqs, context ~{position})"
+            f"{r['backend']:8}{r['context']:>8}{r['seqs']:>6}"
+            f"{r['decode']['wall_ms']:>11.2f}{r['decode']['cpu_ms']:>8.2f}"
+            f"{r['uneven']['wall_ms']:>11.2f}{r['uneven']['cpu_ms']:>8.2f}"
+            f"{r['mixed']['wall_ms']:>10.2f}{r['mixed']['cpu_ms']:>8.2f}"
+            f"{r['prefill_tokens_per_s']:>15,.0f}"
         )
-
-
-def timed(executor: Executor, step_plan: StepPlan) -> tuple[float, float]:
-    """(wall, process CPU) seconds of one step."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    result = executor.execute(step_plan)
-    assert result.error is None, result.error
-    return time.perf_counter() - wall, time.process_time() - cpu
+    with open(args.json, "w") as f:
+        json.dump(
+            {
+                "model": args.model,
+                "threads": torch.get_num_threads(),
+                "chunk": args.chunk,
+                "steps": args.steps,
+                "device": "cuda" if torch.cuda.is_available() else "cpu",
+                "results": rows,
+            },
+            f,
+            indent=2,
+        )
+    print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

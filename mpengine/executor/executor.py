@@ -1,20 +1,29 @@
-"""The executor stage: runs one :class:`~mpengine.protocol.StepPlan` per call."""
+"""The executor stage: runs one :class:`~mpengine.protocol.StepPlan` per call.
+
+A step, in order: apply the plan's deltas to the per-slot state (host arrays, mirrored on
+the device by :class:`~mpengine.executor.input_batch.InputBatch`), lay the step out on the
+host and move its inputs to the device in one copy, run the model (a captured CUDA graph for
+pure-decode steps on a GPU, eager otherwise), launch sampling with its copy back to the
+host, then wait for the sampled ids.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from mpengine.config import EngineConfig
 from mpengine.envs import InjectedFault, fault_seqs, fault_steps
-from mpengine.executor.attention import METADATA_KWARG, build_metadata
+from mpengine.executor.attention import BACKENDS, METADATA_KWARG, Backend, default_backend
+from mpengine.executor.input_batch import InputBatch, StepInputs
 from mpengine.executor.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for
 from mpengine.executor.model_loader import LoadedModel, load_model
-from mpengine.executor.sampler import Sampler, token_logprobs
+from mpengine.executor.sampler import PendingSample, Sampler, token_logprobs
 from mpengine.executor.slots import SlotState
 from mpengine.protocol import (
     EMPTY_IDS,
@@ -26,6 +35,10 @@ from mpengine.protocol import (
     StepResult,
 )
 
+if TYPE_CHECKING:
+    from mpengine.executor.cuda_graphs import DecodeGraphs
+    from mpengine.executor.gpu_memory import MemoryStart
+
 logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -35,16 +48,21 @@ class Executor:
     """Owns the model, the KV cache and the per-slot state; ``execute`` runs one step.
 
     A sequence that cannot run, or a step whose forward raises, is reported in the result's
-    ``failed_seq_ids``; the executor keeps serving (see ``execute``).
+    ``failed_seq_ids``; the executor keeps serving (see ``execute``). ``attention_backend``
+    overrides the device's default (tests compare the backends).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, attention_backend: Backend | None = None) -> None:
+        if attention_backend is not None and attention_backend not in BACKENDS:
+            raise ValueError(f"attention backend {attention_backend!r} is not one of {BACKENDS}")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
+        memory = _gpu_memory_start(config)
         self.loaded: LoadedModel = load_model(config)
         self.model = self.loaded.model
         self.device = self.loaded.device
+        self.backend: Backend = attention_backend or default_backend(self.device)
         spec = KVCacheSpec(
             num_layers=self.loaded.num_layers,
             num_kv_heads=self.loaded.num_kv_heads,
@@ -52,7 +70,12 @@ class Executor:
             block_size=config.block_size,
             dtype=self.loaded.dtype,
         )
-        self.num_blocks = num_blocks_for(config, spec, self.device)
+        if self.device.type == "cuda" and config.num_gpu_blocks_override is None:
+            from mpengine.executor.gpu_memory import profiled_num_blocks
+
+            self.num_blocks = profiled_num_blocks(config, spec, self.loaded, self.backend, memory)
+        else:
+            self.num_blocks = num_blocks_for(config, spec, self.device)
         self.kv_caches = allocate_kv_cache(spec, self.num_blocks, self.device)
         self.max_model_len = self.loaded.max_model_len
         self.slots = SlotState(
@@ -62,9 +85,16 @@ class Executor:
             vocab_size=self.loaded.vocab_size,
             eos_token_ids=self.loaded.eos_token_ids,
         )
+        self.batch = InputBatch(
+            self.slots, self.device, config.block_size, self.backend, self.kv_caches
+        )
         self.sampler = Sampler(self.device, config.seed)
+        self.graphs = self._capture_graphs()
         self.requests: dict[int, RequestParams] = {}  # by key, from plan to release
         self.fault_steps, self.fault_seqs = fault_steps(), fault_seqs()
+        # The last step's phases: (name, perf_counter() when it began), in order, closed by
+        # ("end", t). The runtime charges them to the step breakdown (runtime/timing.py).
+        self.marks: list[tuple[str, float]] = []
         self.info = ExecutorInfo(
             num_blocks=self.num_blocks,
             block_size=config.block_size,
@@ -77,7 +107,20 @@ class Executor:
             model_path=self.loaded.path,
             num_threads=torch.get_num_threads(),
         )
-        logger.info("executor ready: %s", self.info)
+        logger.info("executor ready (%s attention): %s", self.backend, self.info)
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of pure-decode steps (GPU, triton attention, not ``enforce_eager``)."""
+        if self.device.type != "cuda" or self.backend != "triton" or self.config.enforce_eager:
+            return None
+        from mpengine.executor.cuda_graphs import DecodeGraphs
+
+        return DecodeGraphs.capture(
+            self.model,
+            self.kv_caches,
+            max_num_seqs=self.config.max_num_seqs,
+            max_blocks_per_seq=self.slots.block_table.shape[1],
+        )
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run ``plan``: apply its slot and block-table changes, compute its tokens, sample.
@@ -88,6 +131,7 @@ class Executor:
         (async depth 1) runs without it instead of failing on its missing token.
         """
         started = time.perf_counter()
+        self.marks = [("prepare", started)]
         for params in plan.new_requests:
             self.requests[params.key] = params
         failures: dict[int, str] = {}  # seq id -> why it failed
@@ -106,19 +150,15 @@ class Executor:
             self.slots.poison(list(failures))
             result.failed_seq_ids = Array.of(list(failures), "int64")
             result.errors = list(failures.values())
-        result.execute_time = time.perf_counter() - started
+        ended = time.perf_counter()
+        result.execute_time = ended - started
+        self.marks.append(("end", ended))
         return result
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan, failures: dict[int, str]) -> StepResult:
-        # 1. slot resets, then block-table deltas
-        for seq in plan.new_seqs:
-            try:
-                self.slots.start(seq, self.requests[seq.request])
-            except Exception as exc:
-                logger.warning("seq %d cannot start: %r", seq.seq_id, exc)
-                failures[seq.seq_id] = f"{type(exc).__name__}: {exc}"
-        self._update_block_table(plan)
+        # 1. slot resets, then block-table deltas (host state, then its device mirror)
+        self._apply_deltas(plan, failures)
 
         # 2. the step's layout on the host, without the sequences that cannot run
         slots = plan.slots.numpy().astype(np.int64)
@@ -135,38 +175,47 @@ class Executor:
             sample, seq_ids = sample[keep], seq_ids[keep]
         total = int(num_tokens.sum())
         first_token = np.cumsum(num_tokens) - num_tokens
-        positions = np.arange(total) + np.repeat(starts - first_token, num_tokens)
-        token_slots = np.repeat(slots, num_tokens)
-        pending = token_ids < 0
-        token_ids[pending] = self.slots.last_token[token_slots[pending]]
-        self.slots.record(token_slots, positions, token_ids)
+        self._record_tokens(slots, starts, num_tokens, token_ids)
 
-        # 3. which logits rows are needed: sampling positions, then prompt-logprob positions
+        # 3. which logits rows are needed (sampling positions, then prompt-logprob positions);
+        # the step's inputs on the device
         sampling = np.flatnonzero(sample)
         sample_rows = first_token[sampling] + num_tokens[sampling] - 1
         prompt_chunks = self._prompt_logprob_chunks(slots, starts, num_tokens, first_token)
         rows_kept = np.concatenate([sample_rows, *(rows for _, _, rows, _ in prompt_chunks)])
         # A chunk that samples nothing still runs: its keys and values fill the cache.
-        if total and plan.step in self.fault_steps:
-            raise InjectedFault(f"injected failure of step {plan.step} (MPENGINE_FAULT_STEPS)")
-        logits = (
-            self._forward(token_ids, positions, rows_kept, slots, starts, num_tokens)
+        inputs = (
+            self.batch.prepare(slots, starts, num_tokens, token_ids, rows_kept, slots[sampling])
             if total
             else None
         )
+        if total and plan.step in self.fault_steps:
+            raise InjectedFault(f"injected failure of step {plan.step} (MPENGINE_FAULT_STEPS)")
 
-        # 4. sample, remember each sampled token for the slot's next decode
+        # 4. forward
+        self.marks.append(("forward", time.perf_counter()))
+        logits = self._forward(inputs) if inputs is not None else None
+
+        # 5. sample, then wait for the ids on the host ("copy": from sampling launched to the
+        # ids on the host); remember each sampled token for the slot's next decode
+        self.marks.append(("sample", time.perf_counter()))
         result = StepResult(step=plan.step, seq_ids=Array.of([], "int64"), token_ids=EMPTY_IDS)
         if len(sampling):
+            assert logits is not None and inputs is not None
             contexts = starts[sampling] + num_tokens[sampling]
-            ok, error = self._sample(logits[: len(sampling)], slots[sampling], contexts, result)
+            ok, error, pending = self._sample(logits[: len(sampling)], slots[sampling], contexts)
+            if pending is not None and ok.all():
+                self.batch.record_sampled(inputs.sample_slots, pending.token_ids)
+            self.marks.append(("copy", time.perf_counter()))
             for row in np.flatnonzero(~ok):
                 failures[int(seq_ids[sampling[row]])] = error
             sampled = sampling[ok]
-            self.slots.last_token[slots[sampled]] = result.token_ids.numpy()
+            if pending is not None:
+                self._collect(pending, result, slots[sampled], synced=bool(ok.all()))
             result.seq_ids = Array.of(seq_ids[sampled], "int64")
 
-        # 5. prompt logprobs, one entry per chunk
+        # 6. prompt logprobs, one entry per chunk
+        self.marks.append(("finish", time.perf_counter()))
         offset = len(sampling)
         for i, first, rows, num_top in prompt_chunks:
             targets = self.slots.prompt_token_ids[slots[i]][first : first + len(rows)]
@@ -179,64 +228,101 @@ class Executor:
             result.prompt_logprobs.append(PromptLogprobs(int(seq_ids[i]), first, logprobs))
         return result
 
+    def _apply_deltas(self, plan: StepPlan, failures: dict[int, str]) -> None:
+        """Slot starts, then block-table entries, on the host; then the rows they touched
+        on the device."""
+        started = []
+        for seq in plan.new_seqs:
+            started.append(seq.slot)
+            try:
+                self.slots.start(seq, self.requests[seq.request])
+            except Exception as exc:
+                logger.warning("seq %d cannot start: %r", seq.seq_id, exc)
+                failures[seq.seq_id] = f"{type(exc).__name__}: {exc}"
+        try:
+            self._update_block_table(plan)
+        finally:
+            touched = np.concatenate([np.asarray(started, np.int64), plan.block_slots.numpy()])
+            touched = touched[(touched >= 0) & (touched < self.slots.num_slots)]
+            self.batch.sync_rows(touched)
+
+    def _record_tokens(
+        self, slots: np.ndarray, starts: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray
+    ) -> None:
+        """Remember the tokens of sequences with penalties (the only readers), their ``-1``
+        tokens filled in from the slots' last sampled tokens (``token_ids`` keeps its ``-1``s:
+        the device fills them from its own copy)."""
+        token_slots = np.repeat(slots, num_tokens)
+        keep = self.slots.has_penalties[token_slots]
+        if not keep.any():
+            return
+        first_token = np.cumsum(num_tokens) - num_tokens
+        positions = np.arange(len(token_ids)) + np.repeat(starts - first_token, num_tokens)
+        resolved = np.where(token_ids < 0, self.slots.last_token[token_slots], token_ids)
+        self.slots.record(token_slots[keep], positions[keep], resolved[keep])
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits ``[len(inputs.logits_rows), vocab]``: a captured graph for a pure-decode
+        step that fits one, the model run eagerly otherwise."""
+        metadata = inputs.metadata
+        if self.graphs is not None and self.graphs.fits(metadata):
+            return self.graphs.replay(inputs).index_select(0, inputs.logits_rows)
+        output = self.model(
+            input_ids=inputs.input_ids[None],
+            position_ids=inputs.position_ids[None],
+            use_cache=False,
+            logits_to_keep=inputs.logits_rows,
+            **{METADATA_KWARG: metadata},
+        )
+        return output.logits[0]
+
     def _sample(
-        self, logits: torch.Tensor, slots: np.ndarray, contexts: np.ndarray, result: StepResult
-    ) -> tuple[np.ndarray, str]:
-        """Sample every row into ``result``; return which rows succeeded and the error of
-        the others. A batch that raises is retried row by row to find the rows at fault,
-        then the others are sampled together."""
+        self, logits: torch.Tensor, slots: np.ndarray, contexts: np.ndarray
+    ) -> tuple[np.ndarray, str, PendingSample | None]:
+        """Launch the sampling of every row; return which rows succeeded, the error of the
+        others and the launched sampling of the good rows. A batch that raises is retried
+        row by row to find the rows at fault, then the others are sampled together."""
         ok = np.ones(len(slots), bool)
         error = ""
         try:
-            out = self._sample_rows(logits, slots, contexts)
+            return ok, error, self._sample_rows(logits, slots, contexts)
         except Exception as exc:
             logger.warning("sampling failed (%r): finding the rows at fault", exc)
             error = f"{type(exc).__name__}: {exc}"
-            for row in range(len(slots)):
-                one = slice(row, row + 1)
-                try:
-                    self._sample_rows(logits[one], slots[one], contexts[one])
-                except Exception as row_exc:
-                    ok[row] = False
-                    error = f"{type(row_exc).__name__}: {row_exc}"
-            if ok.all():  # no row fails alone: the batch as a whole did
-                ok[:] = False
-            if not ok.any():
-                return ok, error
-            out = self._sample_rows(logits[torch.from_numpy(ok)], slots[ok], contexts[ok])
+        for row in range(len(slots)):
+            one = slice(row, row + 1)
+            try:
+                self._sample_rows(logits[one], slots[one], contexts[one]).wait()
+            except Exception as row_exc:
+                ok[row] = False
+                error = f"{type(row_exc).__name__}: {row_exc}"
+        if ok.all():  # no row fails alone: the batch as a whole did
+            ok[:] = False
+        if not ok.any():
+            return ok, error, None
+        good = torch.from_numpy(np.flatnonzero(ok)).to(logits.device)
+        return ok, error, self._sample_rows(logits[good], slots[ok], contexts[ok])
+
+    def _sample_rows(
+        self, logits: torch.Tensor, slots: np.ndarray, contexts: np.ndarray
+    ) -> PendingSample:
+        if self.fault_seqs and not self.fault_seqs.isdisjoint(self.slots.seq_id[slots].tolist()):
+            raise InjectedFault("injected sampling failure (MPENGINE_FAULT_SEQS)")
+        return self.sampler.sample_async(logits, self.slots.sampling_rows(slots, contexts))
+
+    def _collect(
+        self, pending: PendingSample, result: StepResult, slots: np.ndarray, synced: bool
+    ) -> None:
+        """Wait for the sampled ids on the host and put them in ``result``; they become their
+        slots' last tokens (``synced``: the device copy was updated from the device)."""
+        out = pending.wait()
         result.token_ids = Array.of(out.token_ids, "int32")
         if out.logprobs is not None:
             result.logprobs = out.logprobs
             result.logprob_rows = Array.of(out.logprob_rows, "int32")
-        return ok, error
-
-    def _sample_rows(self, logits: torch.Tensor, slots: np.ndarray, contexts: np.ndarray):
-        if self.fault_seqs and not self.fault_seqs.isdisjoint(self.slots.seq_id[slots].tolist()):
-            raise InjectedFault("injected sampling failure (MPENGINE_FAULT_SEQS)")
-        return self.sampler.sample(logits, self.slots.sampling_rows(slots, contexts))
-
-    def _forward(
-        self,
-        token_ids: np.ndarray,
-        positions: np.ndarray,
-        keep: np.ndarray,
-        slots: np.ndarray,
-        starts: np.ndarray,
-        num_tokens: np.ndarray,
-    ) -> torch.Tensor:
-        """Logits ``[len(keep), vocab]`` at batch rows ``keep``."""
-        device = self.device
-        metadata = build_metadata(
-            starts, num_tokens, slots, positions, self.slots.block_table, self.kv_caches, device
-        )
-        output = self.model(
-            input_ids=torch.from_numpy(token_ids)[None].to(device),
-            position_ids=torch.from_numpy(positions)[None].to(device),
-            use_cache=False,
-            logits_to_keep=torch.from_numpy(keep).to(device),
-            **{METADATA_KWARG: metadata},
-        )
-        return output.logits[0]
+        self.slots.last_token[slots] = out.token_ids
+        if not synced:
+            self.batch.sync_rows(slots)
 
     def _prompt_logprob_chunks(
         self,
@@ -338,3 +424,15 @@ class Executor:
         if failures:
             keep &= ~np.isin(seq_ids, np.fromiter(failures, np.int64, len(failures)))
         return keep
+
+
+def _gpu_memory_start(config: EngineConfig) -> MemoryStart | None:
+    """On a GPU whose KV cache is sized by ``gpu_memory_utilization``: the device's memory
+    before this process loads anything (see ``gpu_memory``)."""
+    from mpengine.executor.model_loader import resolve_device
+
+    if config.num_gpu_blocks_override is not None or resolve_device(config.device).type != "cuda":
+        return None
+    from mpengine.executor.gpu_memory import MemoryStart
+
+    return MemoryStart.take()

@@ -44,15 +44,18 @@ class KVCacheSpec:
 
 
 def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
-    """How many blocks the cache gets: the override, else a byte budget (``kv_cache_bytes``
-    on the CPU, ``gpu_memory_utilization`` of the free memory on a GPU) over the block size."""
+    """How many blocks the cache gets: the override, else ``kv_cache_bytes`` over the block
+    size. A GPU's cache is sized from a profiled forward instead (``gpu_memory``)."""
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * config.gpu_memory_utilization)
-    else:
-        budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else DEFAULT_CPU_BYTES
+        raise ValueError("a GPU's KV cache is sized by gpu_memory.profiled_num_blocks")
+    budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else DEFAULT_CPU_BYTES
+    return blocks_in(budget, spec)
+
+
+def blocks_in(budget: int, spec: KVCacheSpec) -> int:
+    """Whole blocks in ``budget`` bytes (at least one, or a clear error)."""
     num_blocks = budget // spec.bytes_per_block
     if num_blocks < 1:
         raise ValueError(

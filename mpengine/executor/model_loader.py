@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -52,11 +53,34 @@ def resolve_model_path(name: str) -> str:
         from mpengine.testing.tiny import resolve_model
     except ImportError as exc:  # the builder is optional; a path needs none
         if "/" in name or name.startswith((".", "~")):
-            return os.path.expanduser(name)
+            path = os.path.expanduser(name)
+            return path if os.path.isdir(path) else (cached_hub_snapshot(name) or path)
         raise ValueError(
             f"model {name!r} is not a path, and the built-in models need mpengine.testing"
         ) from exc
     return resolve_model(name)
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def cached_hub_snapshot(name: str) -> str | None:
+    """The local snapshot directory of Hugging Face hub model ``org/name`` if the local
+    cache holds it (``HF_HUB_CACHE`` / ``HF_HOME`` say where), else None. Never downloads,
+    whatever ``HF_HUB_OFFLINE`` says. Only a name of that form qualifies: a path that
+    happens not to exist (``./x/y``, ``/models/x``, ``~/x``) is never looked up."""
+    if not _HUB_ID.fullmatch(name) or ".." in name:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:
+        return None
+    try:
+        path = snapshot_download(name, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
+    return str(path) if os.path.isdir(path) else None
 
 
 def resolve_device(name: str) -> torch.device:

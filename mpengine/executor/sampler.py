@@ -6,6 +6,11 @@ top-p, and a draw. The draw is an exponential race, ``argmax(probs / q)`` with
 ``q ~ Exp(1)`` per token, which picks token ``i`` with probability ``probs[i]``; a seeded
 row takes its noise from a generator seeded with that row's own draw seed, so its token
 depends on nothing else in the batch.
+
+A batch that is all greedy, without penalties or bans, takes the fast path: one argmax of
+the logits as they come (no float copy, no noise). On a GPU the sampled ids (and
+logprobs) come back with one non-blocking copy into pinned memory and an event that
+:meth:`PendingSample.wait` waits on, so the host can work while the device finishes.
 """
 
 from __future__ import annotations
@@ -75,6 +80,66 @@ def draw_seed(seed: np.ndarray, sample_index: np.ndarray, output_index: np.ndarr
     return ((x & _MASK64) >> np.uint64(1)).astype(np.int64)
 
 
+class HostCopy:
+    """Device tensors on their way to the host. On a GPU: packed into one byte buffer on the
+    device, one non-blocking copy into a reused pinned buffer, and an event to wait on (one
+    copy in flight at a time). On the CPU: the tensors themselves."""
+
+    def __init__(self, tensors: list[torch.Tensor], pinned: PinnedBuffer | None) -> None:
+        self.tensors = tensors
+        self.event: torch.cuda.Event | None = None
+        if pinned is None or not tensors or tensors[0].device.type != "cuda":
+            return
+        flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
+        packed = flat[0] if len(flat) == 1 else torch.cat(flat)
+        self.host = pinned.take(packed.numel())
+        self.host.copy_(packed, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def wait(self) -> list[np.ndarray]:
+        """The arrays, copied out of the (reused) pinned buffer."""
+        if self.event is None:
+            return [t.numpy() for t in self.tensors]
+        self.event.synchronize()
+        data, arrays, offset = self.host.numpy(), [], 0
+        for tensor in self.tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            chunk = data[offset : offset + nbytes].copy()  # copy: aligned, and ours to keep
+            dtype = torch.empty((), dtype=tensor.dtype).numpy().dtype
+            arrays.append(chunk.view(dtype).reshape(tuple(tensor.shape)))
+            offset += nbytes
+        return arrays
+
+
+class PinnedBuffer:
+    """One growing page-locked host buffer (allocating pinned memory per step would cost
+    more than the copy)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self.buffer.numel():
+            self.buffer = torch.empty(max(2 * nbytes, 4096), dtype=torch.uint8).pin_memory()
+        return self.buffer[:nbytes]
+
+
+@dataclass(slots=True)
+class PendingSample:
+    """A launched sampling: the ids stay on the device (``token_ids``) for the next step's
+    inputs; :meth:`wait` brings them, and the logprobs, to the host."""
+
+    token_ids: torch.Tensor  # int32 [B], on the device
+    copy: HostCopy
+    logprob_rows: np.ndarray
+
+    def wait(self) -> SampleOutput:
+        arrays = self.copy.wait()
+        logprobs = _logprobs_of(arrays[1:]) if len(arrays) > 1 else None
+        return SampleOutput(arrays[0], logprobs, self.logprob_rows)
+
+
 class Sampler:
     """Samples one token per logits row; one engine generator serves unseeded rows."""
 
@@ -82,42 +147,61 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device).manual_seed(seed)
         self._row_generator = torch.Generator(device)  # re-seeded for each seeded row
+        self._pinned = PinnedBuffer() if device.type == "cuda" else None
 
     def sample(self, logits: torch.Tensor, rows: SamplingRows) -> SampleOutput:
         """``logits`` is ``[B, vocab]`` (any float dtype), aligned with ``rows``."""
-        raw = logits.float()
+        return self.sample_async(logits, rows).wait()
+
+    def sample_async(self, logits: torch.Tensor, rows: SamplingRows) -> PendingSample:
+        """Launch the sampling of ``logits`` (``[B, vocab]``, aligned with ``rows``) and the
+        copy of its results to the host; nothing waits for the device here."""
         logprob_rows = np.flatnonzero(rows.logprobs >= 0).astype(np.int32)
-        x = raw
-        if len(rows.penalty_rows):
-            x = apply_penalties(x.clone(), rows)
-        if len(rows.banned_rows):
-            x = x.clone() if x is raw else x
-            x[
-                _tensor(rows.banned_rows, self.device), _tensor(rows.banned_ids, self.device)
-            ] = -float("inf")
         greedy = rows.temperature == 0.0
-        tokens = x.argmax(dim=-1) if greedy.all() else self._draw(x, rows, greedy)
-        token_ids = tokens.to(torch.int32).cpu().numpy()
-        logprobs = None
+        if greedy.all() and not len(rows.penalty_rows) and not len(rows.banned_rows):
+            raw = logits  # the fast path: argmax of the logits as they are (no float copy)
+            tokens = logits.argmax(dim=-1)
+        else:
+            raw = logits.float()
+            x = raw
+            if len(rows.penalty_rows):
+                x = apply_penalties(x.clone(), rows)
+            if len(rows.banned_rows):
+                x = x.clone() if x is raw else x
+                x[
+                    _tensor(rows.banned_rows, self.device), _tensor(rows.banned_ids, self.device)
+                ] = -float("inf")
+            tokens = x.argmax(dim=-1) if greedy.all() else self._draw(x, rows, greedy)
+        tokens = tokens.to(torch.int32)
+        tensors = [tokens]
         if len(logprob_rows):
             num_top = int(rows.logprobs[logprob_rows].max())
-            picked = torch.from_numpy(token_ids[logprob_rows]).to(self.device)
-            logprobs = token_logprobs(raw[_tensor(logprob_rows, self.device)], picked, num_top)
-        return SampleOutput(token_ids, logprobs, logprob_rows)
+            index = _tensor(logprob_rows, self.device)
+            tensors += _logprob_tensors(raw[index], tokens[index], num_top)
+        return PendingSample(tokens, HostCopy(tensors, self._pinned), logprob_rows)
 
     def _draw(self, x: torch.Tensor, rows: SamplingRows, greedy: np.ndarray) -> torch.Tensor:
         device = self.device
-        temperature = torch.from_numpy(np.where(greedy, 1.0, rows.temperature).astype(np.float32))
-        x = x / temperature.to(device)[:, None]
-        if (rows.min_p > 0).any():
-            x = apply_min_p(x, _tensor(rows.min_p, device))
         use_top_k = (rows.top_k > 0) & (rows.top_k < x.shape[1])
+        # The per-row parameters in one transfer: temperature, min-p, top-p, top-k (a
+        # vocabulary index, exact in float32), greedy.
+        packed = np.stack(
+            [
+                np.where(greedy, 1.0, rows.temperature),
+                rows.min_p,
+                rows.top_p,
+                np.where(use_top_k, rows.top_k, 0),
+                greedy,
+            ]
+        ).astype(np.float32)
+        temperature, min_p, top_p, top_k, is_greedy = _tensor(packed, device).unbind(0)
+        x = x / temperature[:, None]
+        if (rows.min_p > 0).any():
+            x = apply_min_p(x, min_p)
         if (rows.top_p < 1).any():
-            x = apply_top_k_top_p(
-                x, _tensor(np.where(use_top_k, rows.top_k, 0), device), _tensor(rows.top_p, device)
-            )
+            x = apply_top_k_top_p(x, top_k.long() if use_top_k.any() else None, top_p)
         elif use_top_k.any():
-            x = apply_top_k(x, _tensor(np.where(use_top_k, rows.top_k, 0), device))
+            x = apply_top_k(x, top_k.long(), max_k=int(rows.top_k[use_top_k].max()))
         probs = x.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row in np.flatnonzero(rows.seeded & ~greedy):
@@ -126,7 +210,7 @@ class Sampler:
         # An exact 0 draw would make 0 / 0 = NaN for a masked token, and argmax picks NaN.
         sampled = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
         if greedy.any():
-            sampled = torch.where(_tensor(greedy, device), x.argmax(dim=-1), sampled)
+            sampled = torch.where(is_greedy > 0, x.argmax(dim=-1), sampled)
         return sampled
 
 
@@ -164,10 +248,13 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, -float("inf"))
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep each row's ``top_k`` largest logits (ties at the boundary are kept); 0 = off."""
+def apply_top_k(
+    logits: torch.Tensor, top_k: torch.Tensor, max_k: int | None = None
+) -> torch.Tensor:
+    """Keep each row's ``top_k`` largest logits (ties at the boundary are kept); 0 = off.
+    ``max_k``, the largest ``top_k``, saves reading it back from the device."""
     enabled = top_k > 0
-    max_k = int(top_k.max())
+    max_k = int(top_k.max()) if max_k is None else max_k
     values = logits.topk(max_k, dim=-1).values
     kth = values.gather(1, (top_k.clamp(min=1) - 1)[:, None])
     kth = torch.where(enabled[:, None], kth, -float("inf"))
@@ -175,13 +262,14 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """Top-k (0 = off) then top-p over one ascending sort: drop the least likely tokens
-    whose cumulative probability stays within ``1 - top_p`` (the most likely always stays)."""
+    """Top-k (0 or None = off) then top-p over one ascending sort: drop the least likely
+    tokens whose cumulative probability stays within ``1 - top_p`` (the most likely always
+    stays)."""
     vocab = logits.shape[1]
     ascending, order = logits.sort(dim=-1)
-    if bool((top_k > 0).any()):
+    if top_k is not None:
         k = torch.where(top_k > 0, top_k, vocab)
         kth = ascending.gather(1, (vocab - k)[:, None])
         ascending = ascending.masked_fill(ascending < kth, -float("inf"))
@@ -194,15 +282,24 @@ def apply_top_k_top_p(
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:
     """Log-softmax of ``logits`` rows: the logprob of ``token_ids`` and the top ``num_top``."""
+    return _logprobs_of([t.cpu().numpy() for t in _logprob_tensors(logits, token_ids, num_top)])
+
+
+def _logprob_tensors(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> list[torch.Tensor]:
+    """(token ids, their logprobs, top ids, top logprobs) on the logits' device."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids.long()[:, None])[:, 0]
-    top = logprobs.topk(num_top, dim=-1) if num_top else None
-    n = len(token_ids)
-    top_ids = top.indices.to(torch.int32).cpu().numpy() if top else np.zeros((n, 0), np.int32)
-    top_values = top.values.cpu().numpy() if top else np.zeros((n, 0), np.float32)
+    top = logprobs.topk(num_top, dim=-1)  # num_top 0: empty [n, 0] results
+    return [token_ids.to(torch.int32), chosen, top.indices.to(torch.int32), top.values]
+
+
+def _logprobs_of(arrays: list[np.ndarray]) -> Logprobs:
+    token_ids, chosen, top_ids, top_values = arrays
     return Logprobs(
-        token_ids=Array.of(token_ids.cpu().numpy(), "int32"),
-        logprobs=Array.of(chosen.cpu().numpy(), "float32"),
+        token_ids=Array.of(token_ids, "int32"),
+        logprobs=Array.of(chosen, "float32"),
         top_ids=Array.of(top_ids, "int32"),
         top_logprobs=Array.of(top_values, "float32"),
     )

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from mpengine.config import EngineConfig
-from mpengine.executor import Executor, attention
+from mpengine.executor import Executor, torch_attention
 from mpengine.protocol import Array, SamplingParams, StepPlan, StepResult
 from mpengine.testing.fake import start_seq
 
@@ -222,10 +222,21 @@ def check_greedy(executor: Executor, chunk: int = 16, budget: int = 40) -> None:
             )
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-llama", "tiny-gpt2"])
-def test_greedy_matches_hf(model: str, monkeypatch) -> None:
-    # Small buckets: decodes of different lengths attend in several groups per step.
-    monkeypatch.setattr(attention, "MIN_BUCKET_BLOCKS", 2)
+@pytest.mark.parametrize(
+    ("model", "decodes"),
+    [
+        ("tiny", "padded"),
+        ("tiny", "chunked"),
+        ("tiny-llama", "chunked"),
+        ("tiny-gpt2", "padded"),
+    ],
+)
+def test_greedy_matches_hf(model: str, decodes: str, monkeypatch) -> None:
+    # Decodes of uneven contexts share steps: force each layout of the torch backend's decode
+    # call (chunked: each sequence's own blocks, 2 per chunk; padded: to the longest context).
+    ratio = 0.0 if decodes == "chunked" else float("inf")
+    monkeypatch.setattr(torch_attention, "CHUNKED_PADDING_RATIO", ratio)
+    monkeypatch.setattr(torch_attention, "MAX_CHUNK_BLOCKS", 2)
     check_greedy(make_executor(model))
 
 
@@ -381,6 +392,14 @@ def msgspec_replace(plan: StepPlan, **changes: object) -> StepPlan:
     import msgspec
 
     return msgspec.structs.replace(plan, **changes)
+
+
+def test_cpu_runs_the_torch_backend_eagerly(tiny: Executor) -> None:
+    """The backend follows the device; CUDA graphs are never captured off a GPU."""
+    assert tiny.backend == "torch" and tiny.graphs is None
+    assert EngineConfig.from_kwargs(enforce_eager=True).enforce_eager
+    with pytest.raises(ValueError, match="not one of"):
+        Executor(tiny.config, attention_backend="flash")  # type: ignore[arg-type]
 
 
 def test_kv_cache_layout_and_sizing() -> None:

@@ -191,3 +191,38 @@ def test_temperature_sampling_follows_the_distribution() -> None:
     tokens = Sampler(CPU, 3).sample(x.expand(n, -1), r).token_ids
     share = (tokens == 1).mean()
     assert 0.72 < share < 0.78 and set(tokens.tolist()) <= {0, 1}
+
+
+def test_greedy_fast_path_takes_logits_as_they_are() -> None:
+    """All-greedy rows without penalties are one argmax of the logits in their own dtype;
+    logprobs still come from float32 log-softmax."""
+    x = logits(3).to(torch.bfloat16)
+    out = Sampler(CPU, 0).sample(x, rows(3, temperature=0.0, logprobs=[2, -1, 0]))
+    assert out.token_ids.tolist() == x.float().argmax(-1).tolist()
+    assert out.logprob_rows.tolist() == [0, 2]
+    expected = x.float().log_softmax(-1)
+    chosen = expected[[0, 2], out.token_ids[[0, 2]]]
+    np.testing.assert_allclose(out.logprobs.logprobs.numpy(), chosen.numpy(), atol=1e-6)
+    assert out.logprobs.top_ids.numpy().shape == (2, 2)
+
+
+def test_async_sampling_waits_for_the_same_result() -> None:
+    x = logits(6)
+    r = rows(6, temperature=[0.0, 0.8, 1.0, 0.0, 1.3, 0.5], top_p=0.9, top_k=5, logprobs=1)
+    pending = Sampler(CPU, 4).sample_async(x, r)
+    assert pending.token_ids.dtype == torch.int32 and len(pending.token_ids) == 6
+    waited = pending.wait()
+    again = Sampler(CPU, 4).sample(x, r)
+    assert waited.token_ids.tolist() == again.token_ids.tolist()
+    assert waited.token_ids.tolist() == pending.token_ids.tolist()
+
+
+def test_top_p_without_top_k_needs_no_top_k_tensor() -> None:
+    x = logits()
+    top_p = torch.full((4,), 0.8)
+    off = apply_top_k_top_p(x.clone(), torch.zeros(4, dtype=torch.long), top_p)
+    assert torch.equal(apply_top_k_top_p(x.clone(), None, top_p), off)
+    assert torch.equal(
+        apply_top_k(x.clone(), torch.tensor([3, 0, 1, 2]), max_k=3),
+        apply_top_k(x.clone(), torch.tensor([3, 0, 1, 2])),
+    )

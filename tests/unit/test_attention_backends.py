@@ -1,0 +1,400 @@
+"""Both attention backends against plain per-sequence causal attention, on ragged batches.
+
+A batch mixes decodes (one new token) with prefill chunks of up to ~600 tokens that start
+at position 0 or continue a cached context; contexts cross block boundaries, the blocks of
+each sequence are shuffled across the cache, and query heads share KV heads 1, 2, 4 or 8
+to one. The reference gathers each sequence's whole context and runs dense causal
+attention in float64. The Triton kernels run under the interpreter (``TRITON_INTERPRET=1``)
+on small shapes: it executes every program instance in numpy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mpengine.executor import torch_attention
+from mpengine.executor.attention import (
+    METADATA_KWARG,
+    AttentionMetadata,
+    build_metadata,
+    paged_attention_forward,
+)
+from mpengine.executor.torch_attention import StepLayout
+
+TOLERANCE = 1e-5
+
+
+@dataclass
+class Batch:
+    """A step: new tokens' queries/keys/values in transformers' layout, a cache already
+    holding every earlier token, and the step's layout and index arrays."""
+
+    query: torch.Tensor  # [1, heads, T, dim] (a transposed view, as transformers passes it)
+    key: torch.Tensor  # [1, kv_heads, T, dim]
+    value: torch.Tensor
+    cache: torch.Tensor  # [2, kv_heads, blocks, block_size, dim]
+    layout: StepLayout
+    slot_mapping: np.ndarray  # [T]
+    scale: float
+
+
+def make_batch(
+    starts: list[int],
+    num_tokens: list[int],
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    seed: int = 0,
+) -> Batch:
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    starts_a, n = np.asarray(starts, np.int64), np.asarray(num_tokens, np.int64)
+    contexts = starts_a + n
+    blocks_per_seq = -(-contexts // block_size)
+    num_blocks = int(blocks_per_seq.sum()) + 3  # a few blocks nobody owns
+    width = int(blocks_per_seq.max()) + 1  # a column past every context: unset (-1)
+    owned = rng.permutation(num_blocks)
+    table = np.full((len(n), width), -1, np.int32)
+    offset = 0
+    for i, count in enumerate(blocks_per_seq):
+        table[i, :count] = owned[offset : offset + count]
+        offset += count
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen)
+    total = int(n.sum())
+    first = np.cumsum(n) - n
+    positions = np.arange(total) - np.repeat(first, n) + np.repeat(starts_a, n)
+    seq = np.repeat(np.arange(len(n)), n)
+    slots = table[seq, positions // block_size].astype(np.int64) * block_size
+    slots += positions % block_size
+    heads = kv_heads * group
+
+    def transformers_layout(num: int) -> torch.Tensor:
+        return torch.randn(1, total, num, head_dim, generator=gen).transpose(1, 2)
+
+    return Batch(
+        query=transformers_layout(heads),
+        key=transformers_layout(kv_heads),
+        value=transformers_layout(kv_heads),
+        cache=cache,
+        layout=StepLayout(starts=starts_a, num_tokens=n, block_table=table, block_size=block_size),
+        slot_mapping=slots,
+        scale=head_dim**-0.5,
+    )
+
+
+def reference(batch: Batch) -> torch.Tensor:
+    """Dense causal attention per sequence over its gathered context, in float64."""
+    cache = batch.cache.double().clone()
+    kv_heads, bs, dim = cache.shape[1], cache.shape[3], cache.shape[4]
+    flat = cache.view(2, kv_heads, -1, dim)
+    rows = torch.from_numpy(batch.slot_mapping)
+    flat[0, :, rows] = batch.key[0].double()
+    flat[1, :, rows] = batch.value[0].double()
+    query = batch.query[0].double()  # [heads, T, dim]
+    group = query.shape[0] // kv_heads
+    outputs, first = [], 0
+    for start, n, row in zip(
+        batch.layout.starts, batch.layout.num_tokens, batch.layout.block_table, strict=True
+    ):
+        context = int(start + n)
+        pos = np.arange(context)
+        index = torch.from_numpy(row[pos // bs].astype(np.int64) * bs + pos % bs)
+        keys = flat[0][:, index].repeat_interleave(group, 0)  # [heads, L, dim]
+        values = flat[1][:, index].repeat_interleave(group, 0)
+        q = query[:, first : first + n]
+        scores = q @ keys.transpose(1, 2) * batch.scale
+        query_pos = torch.arange(start, start + n)[:, None]
+        scores = scores.masked_fill(torch.from_numpy(pos)[None, :] > query_pos, float("-inf"))
+        outputs.append((scores.softmax(-1) @ values).transpose(0, 1))  # [n, heads, dim]
+        first += n
+    return torch.cat(outputs)
+
+
+# Shared by every case: a reused gather buffer must not leak one batch into another.
+WORKSPACE = torch_attention.Workspace()
+
+
+def run_torch(
+    batch: Batch, workspace: torch_attention.Workspace | None = WORKSPACE
+) -> torch.Tensor:
+    plan = torch_attention.plan_step(batch.layout, torch.device("cpu"), workspace)
+    cache = batch.cache.clone()
+    out = torch_attention.attend(
+        plan,
+        cache,
+        torch.from_numpy(batch.slot_mapping),
+        batch.query,
+        batch.key,
+        batch.value,
+        batch.scale,
+    )
+    return out
+
+
+# (starts, new tokens): decodes beside chunks that start at 0 or continue a context.
+RAGGED = [
+    ([37, 0, 5, 120, 0], [1, 23, 1, 40, 1]),
+    ([0], [600]),
+    ([100, 3, 0, 64, 250], [1, 1, 311, 1, 57]),
+    ([15, 31, 47, 2], [1, 1, 1, 1]),
+    ([0, 200], [600, 1]),
+]
+
+
+@pytest.mark.parametrize("decodes", ["padded", "chunks of 1", "chunks of 8"])
+@pytest.mark.parametrize(
+    ("group", "head_dim", "block_size"), [(1, 32, 16), (2, 64, 16), (4, 80, 5), (8, 128, 32)]
+)
+@pytest.mark.parametrize("case", range(len(RAGGED)))
+def test_torch_backend_matches_reference(
+    case: int, group: int, head_dim: int, block_size: int, decodes: str, monkeypatch
+) -> None:
+    ratio = float("inf") if decodes == "padded" else 0.0
+    monkeypatch.setattr(torch_attention, "CHUNKED_PADDING_RATIO", ratio)
+    monkeypatch.setattr(torch_attention, "MAX_CHUNK_BLOCKS", 1 if decodes == "chunks of 1" else 8)
+    starts, num_tokens = RAGGED[case]
+    batch = make_batch(starts, num_tokens, 2, group, head_dim, block_size, seed=case)
+    torch.testing.assert_close(
+        run_torch(batch).double(), reference(batch), atol=TOLERANCE, rtol=TOLERANCE
+    )
+
+
+def test_uneven_decodes_pick_the_chunked_layout() -> None:
+    """One long decode among short ones reads each sequence's blocks, not padded rows."""
+    layout = make_batch([1000] + [20] * 15, [1] * 16, 2, 2, 32, 16).layout
+    assert torch_attention.plan_step(layout, torch.device("cpu")).decode.seq_of_chunk is not None
+    even = make_batch([500] * 16, [1] * 16, 2, 2, 32, 16).layout
+    assert torch_attention.plan_step(even, torch.device("cpu")).decode.seq_of_chunk is None
+
+
+class _Layer(torch.nn.Module):
+    layer_idx = 0
+
+
+def metadata_for(batch: Batch, backend: str, cache: torch.Tensor) -> AttentionMetadata:
+    layout = batch.layout
+    cu_seqlens = np.concatenate([[0], np.cumsum(layout.num_tokens)])
+
+    def to(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(cache.device)
+
+    return build_metadata(
+        backend,  # type: ignore[arg-type]
+        layout,
+        [cache],
+        to(batch.slot_mapping),
+        to(cu_seqlens),
+        to(layout.starts + layout.num_tokens),
+        to(layout.block_table),
+    )
+
+
+def test_registered_function_dispatches_and_checks() -> None:
+    batch = make_batch(*RAGGED[0], 2, 2, 32, 16)
+    cache = batch.cache.clone()
+    metadata = metadata_for(batch, "torch", cache)
+    assert metadata.max_context == 160 and not metadata.decode_only
+    out, _ = paged_attention_forward(
+        _Layer(),
+        batch.query,
+        batch.key,
+        batch.value,
+        None,
+        batch.scale,
+        **{METADATA_KWARG: metadata},
+    )
+    assert out.shape == (1, 66, 4, 32)
+    torch.testing.assert_close(out[0].double(), reference(batch), atol=TOLERANCE, rtol=TOLERANCE)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        paged_attention_forward(
+            _Layer(),
+            batch.query,
+            batch.key,
+            batch.value,
+            None,
+            sliding_window=64,
+            **{METADATA_KWARG: metadata},
+        )
+    with pytest.raises(RuntimeError, match="needs the"):
+        paged_attention_forward(_Layer(), batch.query, batch.key, batch.value, None)
+
+
+# -- triton ----------------------------------------------------------------------------------
+# On a GPU the kernels run compiled. On the CPU they run under the interpreter, which only
+# works if TRITON_INTERPRET=1 is set before triton is first imported (torch imports it
+# early when it is installed): test_triton_under_the_interpreter runs them in a child
+# pytest with that environment.
+
+TRITON_TESTS = "triton_backend or triton_store or triton_dispatch"
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(scope="module")
+def triton_attention():
+    """(the Triton module, the device its kernels run on)."""
+    pytest.importorskip("triton", reason="triton is not installed (the test extra has it)")
+    if not torch.cuda.is_available() and not _interpreted():
+        pytest.skip("runs in a child process under the interpreter (see the test below)")
+    module = importlib.import_module("mpengine.executor.triton_attention")
+    return module, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_triton_under_the_interpreter() -> None:
+    pytest.importorskip("triton", reason="triton is not installed (the test extra has it)")
+    if torch.cuda.is_available() or _interpreted():
+        pytest.skip("the Triton tests run in this process")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", TRITON_TESTS]
+    done = subprocess.run(
+        [*command, str(Path(__file__).resolve())],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert done.returncode == 0 and "passed" in summary and "skipped" not in summary, (
+        f"{summary}\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
+    )
+
+
+# Small shapes: the interpreter runs each program instance in numpy.
+TRITON_CASES = [
+    ([9, 0, 3, 21], [1, 7, 1, 5], 2, 1, 32, 4),
+    ([0, 30], [40, 1], 1, 2, 32, 16),
+    ([5, 17, 0], [1, 1, 19], 2, 4, 64, 8),
+    ([2, 0], [1, 12], 1, 8, 128, 16),
+    ([11, 0, 6], [3, 9, 1], 2, 2, 80, 5),
+]
+
+
+@pytest.mark.parametrize("case", TRITON_CASES)
+def test_triton_backend_matches_reference(triton_attention, case) -> None:
+    module, device = triton_attention
+    starts, num_tokens, kv_heads, group, head_dim, block_size = case
+    batch = make_batch(starts, num_tokens, kv_heads, group, head_dim, block_size, seed=3)
+    cache = batch.cache.to(device)
+    layout = batch.layout
+
+    def to(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device)
+
+    module.store_kv(
+        batch.key[0].to(device), batch.value[0].to(device), cache, to(batch.slot_mapping)
+    )
+    out = module.paged_attention(
+        batch.query[0].transpose(0, 1).to(device),
+        cache,
+        to(layout.block_table),
+        to(layout.starts + layout.num_tokens),
+        to(np.concatenate([[0], np.cumsum(layout.num_tokens)])),
+        batch.scale,
+        decode_only=bool((layout.num_tokens == 1).all()),
+    )
+    expected = reference(batch)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=TOLERANCE, rtol=TOLERANCE)
+    torch.testing.assert_close(cache.cpu(), _stored(batch), atol=0, rtol=0)
+    # The torch backend agrees too (the two are interchangeable under one metadata).
+    torch.testing.assert_close(run_torch(batch).double(), expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def _stored(batch: Batch) -> torch.Tensor:
+    cache = batch.cache.clone()
+    kv_heads, dim = cache.shape[1], cache.shape[4]
+    rows = torch.from_numpy(batch.slot_mapping)
+    cache[0].view(kv_heads, -1, dim)[:, rows] = batch.key[0]
+    cache[1].view(kv_heads, -1, dim)[:, rows] = batch.value[0]
+    return cache
+
+
+def test_triton_store_skips_padding_rows(triton_attention) -> None:
+    module, device = triton_attention
+    batch = make_batch([0], [6], 2, 1, 32, 4)
+    cache = batch.cache.to(device)
+    slots = torch.from_numpy(batch.slot_mapping).clone()
+    slots[3] = -1  # a padding row of a captured batch: nothing is stored
+    module.store_kv(batch.key[0].to(device), batch.value[0].to(device), cache, slots.to(device))
+    cache = cache.cpu()
+    expected = _stored(batch)
+    row = int(batch.slot_mapping[3])
+    kv_heads, dim = cache.shape[1], cache.shape[4]
+    expected.view(2, kv_heads, -1, dim)[:, :, row] = batch.cache.view(2, kv_heads, -1, dim)[
+        :, :, row
+    ]
+    torch.testing.assert_close(cache, expected, atol=0, rtol=0)
+
+
+def test_triton_dispatch_through_the_registered_function(triton_attention) -> None:
+    _, device = triton_attention
+    batch = make_batch([9, 0, 3], [1, 7, 1], 2, 2, 32, 4)
+    cache = batch.cache.to(device)
+    metadata = metadata_for(batch, "triton", cache)
+    q, k, v = (t.to(device) for t in (batch.query, batch.key, batch.value))
+    out, _ = paged_attention_forward(
+        _Layer(), q, k, v, None, batch.scale, **{METADATA_KWARG: metadata}
+    )
+    expected = reference(batch)
+    torch.testing.assert_close(out[0].cpu().double(), expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_triton_kernels_compile_for_a_gpu() -> None:
+    """The kernels as a GPU would build them (Triton to PTX to an sm_90 binary, no GPU
+    needed): a kernel only ever run by the interpreter could still fail to compile."""
+    pytest.importorskip("triton", reason="triton is not installed (the test extra has it)")
+    if _interpreted():
+        pytest.skip("the kernels are interpreted in this process")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = importlib.import_module("mpengine.executor.triton_attention")
+    import triton
+
+    def build(kernel, types: dict[str, str], constants: dict[str, object]) -> None:
+        names = kernel.arg_names
+        signature = {
+            name: "constexpr" if name in constants else types.get(name, "i64") for name in names
+        }
+        source = ASTSource(
+            fn=kernel,
+            signature=signature,
+            constexprs={(names.index(k),): v for k, v in constants.items()},
+        )
+        try:
+            triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        except (FileNotFoundError, PermissionError) as exc:  # no ptxas in this triton build
+            pytest.skip(f"triton cannot build for a GPU here: {exc}")
+
+    # bfloat16 (a GPU's default dtype): decode and prefill shapes, and the store; float32:
+    # the decode shape with exact (IEEE) dot products.
+    for dtype, precision, shapes in (
+        ("bf16", "tf32", ((16, 8), (64, 32))),
+        ("fp32", "ieee", ((16, 8),)),
+    ):
+        pointers = {"block_table_ptr": "*i32", "num_seqs": "i32", "scale": "fp32"}
+        pointers |= {p: f"*{dtype}" for p in ("out_ptr", "query_ptr", "cache_ptr")}
+        pointers |= {"seq_lens_ptr": "*i64", "cu_seqlens_q_ptr": "*i64"}
+        for block_m, block_q in shapes:
+            constants = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, HEAD_DIM_P2=128)
+            constants |= dict(BLOCK_SIZE=16, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=32)
+            build(
+                module._paged_attention_kernel, pointers, {**constants, "DOT_PRECISION": precision}
+            )
+    store = {p: "*bf16" for p in ("key_ptr", "value_ptr", "cache_ptr")}
+    store |= {"slot_mapping_ptr": "*i64", "num_tokens": "i32"}
+    constants = dict(NUM_KV_HEADS=8, HEAD_DIM=128, KV_HEADS_P2=8, HEAD_DIM_P2=128)
+    build(module._store_kv_kernel, store, {**constants, "BLOCK_SIZE": 16, "TOKENS": 4})

@@ -1,0 +1,70 @@
+"""GPU memory sizing and CUDA-graph batch sizes, checked on the CPU.
+
+The profiling forward that sizes a GPU's KV cache is an ordinary paged forward on a
+throwaway cache: it runs (and must match Hugging Face) on the CPU too. The byte arithmetic
+is plain functions. Capturing and replaying graphs needs a GPU and is not run here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from mpengine.config import EngineConfig, GiB
+from mpengine.executor.cuda_graphs import graph_batch_sizes
+from mpengine.executor.gpu_memory import (
+    graph_pool_estimate,
+    kv_cache_budget,
+    profile_forward,
+    profile_sampler,
+)
+from mpengine.executor.kv_cache import KVCacheSpec
+from mpengine.executor.model_loader import load_model
+
+
+def test_budget_is_a_share_of_the_total() -> None:
+    # 80 GiB device, 0.5 of it: 40 GiB less weights + activations, workspaces and graphs.
+    budget = kv_cache_budget(80 * GiB, 0.5, torch_peak=10 * GiB, non_torch=GiB, graph_pool=GiB)
+    assert budget == 28 * GiB
+    # Another engine's usage does not enter: the same share whatever was free.
+    assert kv_cache_budget(80 * GiB, 0.25, 4 * GiB, 0, 0) == 16 * GiB
+
+
+def test_graph_pool_estimate_scales_with_the_largest_batch() -> None:
+    # Activations of 2048 profiled tokens were 1 GiB; a 256-row graph keeps an eighth of it
+    # plus its logits.
+    estimate = graph_pool_estimate(GiB, 2048, 256, logits_row_bytes=1000)
+    assert estimate == GiB // 8 + 256_000
+    assert graph_pool_estimate(GiB, 16, 256, 0) == GiB  # never more than the profiled peak
+
+
+def test_graph_batch_sizes() -> None:
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(3) == [1, 2, 4]
+    sizes = graph_batch_sizes(256)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 256
+    assert 64 in sizes and 72 not in sizes and 80 in sizes  # steps of 8, then of 16
+    assert graph_batch_sizes(100)[-1] == 112  # the last size covers max_num_seqs
+
+
+def test_profile_forward_is_a_real_forward() -> None:
+    """150 tokens with max_model_len 64 run as sequences of 64, 64 and 22 tokens (input id
+    0 everywhere): the last-token logits match Hugging Face's on those inputs."""
+    loaded = load_model(EngineConfig(model="tiny", max_model_len=64, num_threads=1))
+    spec = KVCacheSpec(
+        num_layers=loaded.num_layers,
+        num_kv_heads=loaded.num_kv_heads,
+        head_dim=loaded.head_dim,
+        block_size=16,
+        dtype=loaded.dtype,
+    )
+    with torch.inference_mode():
+        logits = profile_forward(loaded, spec, "torch", num_tokens=150, max_num_seqs=8)
+        profile_sampler(loaded, num_rows=8, seed=0)
+    assert logits.shape == (3, loaded.vocab_size)
+    reference = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for row, length in enumerate([64, 64, 22]):
+            expected = reference(torch.zeros(1, length, dtype=torch.int64)).logits[0, -1]
+            np.testing.assert_allclose(logits[row].numpy(), expected.numpy(), atol=1e-4)
