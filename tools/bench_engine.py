@@ -1,136 +1,427 @@
-"""Offline generation throughput: the processes runtime against the serial baseline.
+"""Offline generation throughput: every runtime, and Hugging Face's static ``generate``.
 
-For each model: launch one engine per runtime, warm them up, then time ``--repeats``
-rounds, each running ``--num-requests`` prompts x ``--max-tokens`` tokens (ignore_eos, so
-every run generates the same number of tokens) on every engine in turn; report the median
-tokens/s and the ratio to the serial runtime measured in the same invocation. Prints a
-table, writes JSON.
+For each model: launch one engine per runtime (serial, processes at async depth 0 and 1,
+threads) and load the model in this process for the ``hf-generate`` row, warm them up, then
+time ``--repeats`` rounds, each running the same prompts x ``--max-tokens`` tokens on every
+row in turn (interleaved, so drifts of a shared machine hit them alike). Engines run greedy
+with ``ignore_eos``; HF gets the prompts left-padded in one batch, greedy, with
+``min_new_tokens = max_new_tokens``, on the same device and dtype, so both generate the same
+number of tokens. ``--mixed`` gives the requests output lengths from 8 to 256; HF's static
+batch then runs to the longest, and its tokens/s counts only the tokens asked for.
+
+Reported: median tokens/s, the ratio to the serial runtime measured in the same run, and for
+each engine its step breakdown over the timed rounds (medians): the step period, the
+executor's duty (forward + sample share of its time), each stage's busy ms per step and
+the executor's phases, and the waits per step on the rings and the lockstep counter.
+Prints two tables, writes JSON.
 
     python tools/bench_engine.py --models tiny small --json bench_engine.json
+    python tools/bench_engine.py --shape qwen3-0.6b --device cuda --num-requests 256
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import mpengine
-from mpengine.protocol import SamplingParams
+from mpengine.protocol import (
+    Array,
+    Feedback,
+    SamplingParams,
+    StageTimes,
+    StepResult,
+    encoder,
+    feedback_decoder,
+    result_decoder,
+)
+from mpengine.runtime.timing import EXECUTOR, OUTPUT, Clock, breakdown, since
+from mpengine.testing.engine import wait_idle
 
 CONFIGS = {
     "serial": {"runtime": "serial", "async_depth": 0},
     "processes-depth0": {"runtime": "processes", "async_depth": 0},
     "processes-depth1": {"runtime": "processes", "async_depth": 1},
+    "threads-depth1": {"runtime": "threads", "async_depth": 1},
 }
+HF_ROW = "hf-generate"
+ROWS = [*CONFIGS, HF_ROW]
+# --shape: a real model's dimensions with random weights, as a built-in model.
+SHAPES = {"qwen3-0.6b": "qwen3-0.6b-shape"}
+MIXED_LENGTHS = (8, 256)
+
+# The breakdown table: column title, figure (see timing.breakdown), format.
+BREAKDOWN_COLUMNS = [
+    ("period", "step_period_ms", ".2f"),
+    ("duty", "executor_duty", ".2f"),
+    ("sched", "scheduler.busy_ms", ".2f"),
+    ("exec", "executor.busy_ms", ".2f"),
+    ("prep", "executor.prepare_ms", ".2f"),
+    ("fwd", "executor.forward_ms", ".2f"),
+    ("sample", "executor.sample_ms", ".2f"),
+    ("copy", "executor.copy_ms", ".3f"),
+    ("output", "output.busy_ms", ".2f"),
+    ("s:lock", "scheduler.wait_lockstep_ms", ".2f"),
+    ("e:plan", "executor.wait_plan_ring_ms", ".2f"),
+    ("e:result", "executor.wait_result_ring_ms", ".2f"),
+    ("o:result", "output.wait_result_ring_ms", ".2f"),
+    ("o:fback", "output.wait_feedback_ring_ms", ".2f"),
+]
 
 
-def prompts(n: int) -> list[str]:
+@dataclass
+class Workload:
+    """The same requests for every row: prompt token ids and output lengths."""
+
+    prompts: list[list[int]]
+    lengths: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def workload(model: str, args: argparse.Namespace) -> Workload:
+    """Tokenized once here, so engines and HF see the very same ids."""
+    from tokenizers import Tokenizer
+
+    from mpengine.testing.tiny import resolve_model
+
+    tokenizer = Tokenizer.from_file(str(Path(resolve_model(model)) / "tokenizer.json"))
     topics = ["the sea", "a city at night", "old machines", "mountain weather", "a library"]
-    return [f"Request {i}: write a few lines about {topics[i % len(topics)]}." for i in range(n)]
+    texts = [
+        f"Request {i}: write a few lines about {topics[i % len(topics)]}."
+        for i in range(args.num_requests)
+    ]
+    prompts = [tokenizer.encode(text).ids for text in texts]
+    if args.mixed:
+        low, high = MIXED_LENGTHS
+        n = max(1, args.num_requests - 1)
+        lengths = [low + round(i * (high - low) / n) for i in range(args.num_requests)]
+        random.Random(0).shuffle(lengths)
+    else:
+        lengths = [args.max_tokens] * args.num_requests
+    return Workload(prompts, lengths)
+
+
+class EngineRow:
+    """One engine runtime: a client, and its step breakdown between two points."""
+
+    def __init__(self, model: str, name: str, args: argparse.Namespace) -> None:
+        self.engine = mpengine.launch(model=model, **CONFIGS[name], **args.engine)
+        self.client = self.engine.client()
+        self.num_threads = self.engine.config.num_threads
+        self.args = args
+
+    def run(self, work: Workload, lengths: list[int] | None = None) -> int:
+        params = [
+            SamplingParams(
+                max_tokens=n,
+                temperature=0.0,
+                ignore_eos=True,
+                logprobs=self.args.logprobs,
+                stop=self.args.stop,
+            )
+            for n in lengths or work.lengths
+        ]
+        outs = self.client.generate_many(work.prompts[: len(params)], params)
+        return sum(len(o.token_ids) for o in outs)
+
+    def stages(self) -> dict[str, StageTimes]:
+        """Every stage's totals once the last step is fed back (outside the timed part)."""
+        return wait_idle(self.client, timeout=60.0).stages
+
+    def close(self) -> None:
+        self.client.close()
+        self.engine.shutdown()
+
+
+class HFRow:
+    """Hugging Face's static batching in this process: the prompts left-padded into one
+    batch, greedy, run to the longest requested length."""
+
+    def __init__(self, model: str, device: str, dtype: str, num_threads: int | None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from mpengine.testing.tiny import resolve_model
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.torch = torch
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            resolve_model(model), dtype=getattr(torch, dtype)
+        ).to(self.device)
+        self.model.eval()
+        config = self.model.generation_config
+        eos = config.eos_token_id
+        pad = config.pad_token_id
+        self.pad = pad if pad is not None else eos if isinstance(eos, int) else eos[0]
+        self.num_threads = torch.get_num_threads()
+
+    def run(self, work: Workload, lengths: list[int] | None = None) -> int:
+        torch = self.torch
+        lengths = lengths or work.lengths
+        prompts = work.prompts[: len(lengths)]
+        width = max(map(len, prompts))
+        ids = [[self.pad] * (width - len(p)) + p for p in prompts]
+        mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
+        steps = max(lengths)
+        with torch.inference_mode():
+            out = self.model.generate(
+                torch.tensor(ids, device=self.device),
+                attention_mask=torch.tensor(mask, device=self.device),
+                do_sample=False,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                pad_token_id=self.pad,
+            )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        assert out.shape == (len(prompts), width + steps), out.shape
+        return sum(lengths)  # the tokens asked for; the rest of a static batch is waste
+
+    def stages(self) -> dict[str, StageTimes]:
+        return {}
+
+    def close(self) -> None:
+        del self.model
 
 
 def run_model(model: str, args: argparse.Namespace) -> list[dict]:
-    """Every runtime of one model, launched together and timed in interleaved rounds, so
-    drifts of a shared machine hit them alike (an idle engine costs ~1% of a core)."""
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=0.0,
-        ignore_eos=True,
-        logprobs=args.logprobs,
-        stop=args.stop,
-    )
-    batch = prompts(args.num_requests)
-    num_tokens = len(batch) * args.max_tokens
-    engines = {
-        name: mpengine.launch(model=model, **CONFIGS[name], **args.engine) for name in args.runtimes
-    }
-    clients = {name: engine.client() for name, engine in engines.items()}
-    times: dict[str, list[float]] = {name: [] for name in engines}
+    """Every row of one model, started together and timed in interleaved rounds (an idle
+    engine costs ~1% of a core)."""
+    work = workload(model, args)
+    rows: dict[str, EngineRow | HFRow] = {}
     try:
-        for client in clients.values():
-            client.generate_many(batch[:8], SamplingParams(max_tokens=8, ignore_eos=True))
+        for name in args.runtimes:
+            if name != HF_ROW:
+                rows[name] = EngineRow(model, name, args)
+        if HF_ROW in args.runtimes:
+            # The engines' own device and dtype (auto: float32 on the CPU, bfloat16 on CUDA).
+            info = next(iter(rows.values())).engine.model if rows else None
+            device = info.device if info else ("cpu" if args.device == "auto" else args.device)
+            dtype = info.dtype if info else "float32"
+            rows[HF_ROW] = HFRow(model, device, dtype, args.num_threads)
+        times: dict[str, list[float]] = {name: [] for name in rows}
+        figures: dict[str, list[dict[str, float]]] = {name: [] for name in rows}
+        for row in rows.values():
+            row.run(work, [8] * min(8, len(work.prompts)))  # warm-up
         for _ in range(args.repeats):
-            for name, client in clients.items():
+            for name, row in rows.items():
+                before = row.stages()
                 start = time.perf_counter()
-                outs = client.generate_many(batch, params)
+                num_tokens = row.run(work)
                 times[name].append(time.perf_counter() - start)
-                assert sum(len(o.token_ids) for o in outs) == num_tokens, (
+                assert num_tokens == work.num_tokens, (
                     "a stop string matched: every run must generate the same number of tokens"
                 )
-        steps = {name: client.stats().step for name, client in clients.items()}
+                if name != HF_ROW:
+                    totals = since(row.stages(), before)
+                    figures[name].append(
+                        {"steps": totals["executor"].steps, **flatten(breakdown(totals))}
+                    )
     finally:
-        for name in engines:
-            clients[name].close()
-            engines[name].shutdown()
-    rows = []
-    for name, engine in engines.items():
+        for row in rows.values():
+            row.close()
+    results = []
+    for name, row in rows.items():
         median = statistics.median(times[name])
-        rows.append(
+        results.append(
             {
                 "model": model,
                 "runtime": name,
-                "num_threads": engine.config.num_threads,
+                "num_threads": row.num_threads,
                 "seconds": times[name],
                 "median_seconds": median,
-                "tokens_per_s": num_tokens / median,
-                "steps_per_run": steps[name] / (args.repeats + 1),
+                "tokens_per_s": work.num_tokens / median,
+                "breakdown": medians(figures[name]),
             }
         )
-    return rows
+    return results
+
+
+def accounting_cost_s(num_steps: int = 20_000) -> float:
+    """What the always-on breakdown costs the busiest stage per step, here: the executor's
+    laps and marks, its snapshot, its totals encoded on the result and decoded by the output
+    processor (less the bare result's encoding and decoding), as timed in a tight loop."""
+    clock = Clock([EXECUTOR])
+    decode = result_decoder().decode
+    ids = Array.of(list(range(64)), "int64")
+    phases = ("prepare", "forward", "sample", "copy", "finish", "end")
+
+    def steps(with_breakdown: bool) -> float:
+        start = time.perf_counter()
+        for step in range(num_steps):
+            result = StepResult(step, ids, ids)
+            if with_breakdown:
+                clock.wait(EXECUTOR, "plan_ring")
+                clock.begin_step(EXECUTOR, step)
+                clock.work(EXECUTOR, "decode")
+                clock.marks(EXECUTOR, [(phase, time.perf_counter()) for phase in phases])
+                result.times = clock.snapshot()
+                clock.work(EXECUTOR, "encode")
+                clock.wait(EXECUTOR, "result_ring")
+                clock.end_step(EXECUTOR)
+            decode(encoder.encode(result))
+        return time.perf_counter() - start
+
+    steps(True)  # warm-up
+    return max(0.0, steps(True) - steps(False)) / num_steps
+
+
+def relay_cost_s(num_steps: int = 20_000) -> float:
+    """The output processor's share: both stages' totals on the feedback, encoded and
+    decoded by the scheduler (less the bare feedback's), and its own laps and snapshot."""
+    executor, output = Clock([EXECUTOR]), Clock([OUTPUT])
+    executor.work(EXECUTOR, "forward")
+    decode = feedback_decoder().decode
+    ids = Array.of(list(range(64)), "int64")
+
+    def steps(with_breakdown: bool) -> float:
+        start = time.perf_counter()
+        for step in range(num_steps):
+            feedback = Feedback(step, ids, ids)
+            if with_breakdown:
+                output.wait(OUTPUT, "result_ring")
+                output.begin_step(OUTPUT, step)
+                output.work(OUTPUT, "process")
+                feedback.times = {**executor.snapshot(), **output.snapshot()}
+                output.work(OUTPUT, "encode")
+                output.wait(OUTPUT, "feedback_ring")
+                output.work(OUTPUT, "send")
+                output.end_step(OUTPUT)
+            decode(encoder.encode(feedback))
+        return time.perf_counter() - start
+
+    steps(True)
+    return max(0.0, steps(True) - steps(False)) / num_steps
+
+
+def flatten(figures: dict[str, object], prefix: str = "") -> dict[str, float]:
+    """``{"executor": {"busy_ms": 1.0}}`` -> ``{"executor.busy_ms": 1.0}``."""
+    flat: dict[str, float] = {}
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = float(value)  # type: ignore[arg-type]
+    return flat
+
+
+def medians(rounds: list[dict[str, float]]) -> dict[str, float]:
+    keys = {key for figures in rounds for key in figures}
+    return {key: statistics.median(f.get(key, 0.0) for f in rounds) for key in sorted(keys)}
+
+
+def print_tables(rows: list[dict]) -> None:
+    baseline = {r["model"]: r["tokens_per_s"] for r in rows if r["runtime"] == "serial"}
+    print()
+    print(f"{'model':18}{'runtime':18}{'threads':>8}{'median s':>10}{'tok/s':>10}{'vs serial':>11}")
+    for r in rows:
+        ratio = r["tokens_per_s"] / baseline[r["model"]] if r["model"] in baseline else None
+        r["ratio_vs_serial"] = ratio
+        print(
+            f"{r['model']:18}{r['runtime']:18}{r['num_threads']:>8}{r['median_seconds']:>10.2f}"
+            f"{r['tokens_per_s']:>10.1f}" + (f"{ratio:>10.2f}x" if ratio else f"{'-':>11}")
+        )
+    print()
+    print(
+        "per step, ms (medians of the timed rounds): period = executor wall / steps; duty = "
+        "forward + sample share of it;\nbusy time of each stage and the executor's phases; "
+        "waits (s: scheduler, e: executor, o: output) on the lockstep counter and the rings"
+    )
+    print(
+        f"{'model':18}{'runtime':18}{'steps':>6}"
+        + "".join(f"{t:>9}" for t, _, _ in BREAKDOWN_COLUMNS)
+    )
+    for r in rows:
+        figures = r["breakdown"]
+        if not figures:
+            continue
+        steps = figures.get("steps", 0.0)
+        line = f"{r['model']:18}{r['runtime']:18}{steps:>6.0f}"
+        for _, key, fmt in BREAKDOWN_COLUMNS:
+            line += f"{figures[key]:>9{fmt}}" if key in figures else f"{'-':>9}"
+        print(line)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "small"])
-    parser.add_argument("--runtimes", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument(
+        "--shape",
+        choices=list(SHAPES),
+        help="instead of --models: a random-weight model with this real model's dimensions",
+    )
+    parser.add_argument("--runtimes", nargs="+", default=ROWS, choices=ROWS)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--mixed",
+        action="store_true",
+        help=f"output lengths spread over {MIXED_LENGTHS[0]}..{MIXED_LENGTHS[1]} "
+        "(instead of --max-tokens)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds")
     parser.add_argument(
         "--logprobs",
         type=int,
         default=None,
-        help="top-N logprobs per token (output-processing heavy)",
+        help="top-N logprobs per token (output-processing heavy; engines only)",
     )
     parser.add_argument(
         "--stop",
         action="append",
         default=[],
-        help="a stop string that never matches (output-processing heavy)",
+        help="a stop string that never matches (output-processing heavy; engines only)",
     )
     parser.add_argument(
         "--num-threads",
         type=int,
         default=None,
-        help="executor torch threads (default: the engine's choice per runtime)",
+        help="torch threads of every executor and of hf-generate (default: each engine's "
+        "choice per runtime; torch's for hf-generate)",
     )
+    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="engine KV cache (CPU)")
     parser.add_argument("--json", default="bench_engine.json")
     args = parser.parse_args()
-    args.engine = {"num_threads": args.num_threads} if args.num_threads else {}
+    args.engine = {"device": args.device, "log_level": "WARNING"}
+    if args.num_threads:
+        args.engine["num_threads"] = args.num_threads
+    if args.kv_cache_bytes:
+        args.engine["kv_cache_bytes"] = args.kv_cache_bytes
+    models = [SHAPES[args.shape]] if args.shape else args.models
 
     rows = []
-    for model in args.models:
+    for model in models:
         for row in run_model(model, args):
             rows.append(row)
-            print(f"  {model:6} {row['runtime']:18} {row['tokens_per_s']:9.1f} tok/s", flush=True)
-    baseline = {r["model"]: r["tokens_per_s"] for r in rows if r["runtime"] == "serial"}
-    print()
-    print(f"{'model':8}{'runtime':20}{'threads':>8}{'median s':>10}{'tok/s':>10}{'vs serial':>11}")
-    for r in rows:
-        ratio = r["tokens_per_s"] / baseline[r["model"]] if r["model"] in baseline else float("nan")
-        r["ratio_vs_serial"] = ratio
-        print(
-            f"{r['model']:8}{r['runtime']:20}{r['num_threads']:>8}{r['median_seconds']:>10.2f}"
-            f"{r['tokens_per_s']:>10.1f}{ratio:>10.2f}x"
-        )
+            print(f"  {model:18} {row['runtime']:18} {row['tokens_per_s']:9.1f} tok/s", flush=True)
+    print_tables(rows)
+    cost = max(accounting_cost_s(), relay_cost_s())
+    fastest = min((r["breakdown"]["step_period_ms"] for r in rows if r["breakdown"]), default=0)
+    share = cost * 1e3 / fastest if fastest else float("nan")
+    print(
+        f"\nthe breakdown costs a stage at most {cost * 1e6:.1f} us per step here: "
+        f"{share:.2%} of the shortest step period above ({fastest:.2f} ms)"
+    )
     with open(args.json, "w") as f:
         json.dump(
             {
                 "num_requests": args.num_requests,
                 "max_tokens": args.max_tokens,
+                "mixed": args.mixed,
+                "device": args.device,
                 "repeats": args.repeats,
+                "breakdown_cost_us_per_step": cost * 1e6,
                 "results": rows,
             },
             f,

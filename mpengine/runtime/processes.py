@@ -11,13 +11,20 @@ counter to ``k``. The scheduler plans step ``s`` only once ``done >= s - 1 - asy
 then drains the feedback ring, which by then holds every feedback up to ``done``. Nothing
 else synchronises the three (besides empty rings).
 
-Every wait is bounded (``POLL_S``) so a stop signal is seen promptly.
+The three loops (``*_loop``) see their peers only as :class:`Link`\\ s and a counter, so the
+threads runtime runs the very same loops over in-process queues. Each loop charges its time
+to a :class:`~mpengine.runtime.timing.Clock` as it goes (the step breakdown). Every wait is
+bounded (``POLL_S``) so a stop signal is seen promptly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
 
 from mpengine.config import EngineConfig
 from mpengine.protocol import (
@@ -34,7 +41,13 @@ from mpengine.protocol import (
 from mpengine.runtime.edges import Edge
 from mpengine.runtime.front import FrontDoor, OutputDoor
 from mpengine.runtime.stage import Control, StopFlag
+from mpengine.runtime.timing import EXECUTOR, OUTPUT, SCHEDULER, Clock, Trace
 from shm import Lockstep, Ring
+
+if TYPE_CHECKING:
+    from mpengine.executor import Executor
+    from mpengine.output import OutputProcessor
+    from mpengine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +89,7 @@ def engine_info(config: EngineConfig, model: ModelInfo, wiring: Wiring) -> Engin
 
 
 def request_edge(config: EngineConfig, wiring: Wiring) -> Edge:
-    """Replies (errors, stats) to a client that does not read them are dropped past
-    ``client_send_hwm``, never buffered without bound."""
-    return Edge(
-        wiring.request_address,
-        config.max_request_bytes,
-        config.client_send_hwm,
-        config.auth_token,
-    )
+    return Edge(wiring.request_address, config.max_request_bytes, auth_token=config.auth_token)
 
 
 def output_edge(config: EngineConfig, wiring: Wiring) -> Edge:
@@ -108,28 +114,237 @@ def model_info(config: EngineConfig, executor) -> ModelInfo:
     )
 
 
+# -- what connects the loops ---------------------------------------------------------------
+
+
+class Link:
+    """One direction between two stage loops, read and written like a ring: ``put(frame)``,
+    ``get_view(timeout)`` (a context manager yielding the next frame; TimeoutError when none
+    comes), ``try_get()`` (a frame or None). ``encode`` / ``decode`` turn messages into
+    frames and back: msgpack over a shm ring here, nothing at all over the threads
+    runtime's queues, whose frames are the messages themselves.
+
+    The attributes are the ring's own bound methods, not wrappers: a read stays one call.
+    """
+
+    __slots__ = ("close", "decode", "encode", "get_view", "put", "try_get")
+
+    def __init__(
+        self,
+        put: Callable[[Any], None],
+        get_view: Callable[[float], contextlib.AbstractContextManager[Any]],
+        try_get: Callable[[], Any],
+        encode: Callable[[Any], Any],
+        decode: Callable[[Any], Any],
+        close: Callable[[], None],
+    ) -> None:
+        self.put = put
+        self.get_view = get_view
+        self.try_get = try_get
+        self.encode = encode
+        self.decode = decode
+        self.close = close
+
+    @classmethod
+    def ring(cls, name: str, decoder: msgspec.msgpack.Decoder | None = None) -> Link:
+        """Attach the ring ``name``; its reader passes the decoder of its messages."""
+        ring = Ring.attach(name)
+        decode = decoder.decode if decoder is not None else _not_read_here
+        return cls(ring.put, ring.get_view, ring.try_get, encoder.encode, decode, ring.close)
+
+
+def _not_read_here(frame: object) -> object:
+    raise RuntimeError("this side of the ring only writes")
+
+
+class Counter(Protocol):
+    """The lockstep counter as the loops use it (``shm.Lockstep``, or ``threads.Counter``)."""
+
+    @property
+    def value(self) -> int: ...
+
+    def wait_at_least(self, k: int, timeout: float | None = None) -> int: ...
+
+    def advance_to(self, k: int) -> None: ...
+
+
+# -- the three loops -----------------------------------------------------------------------
+
+
+def scheduler_loop(
+    scheduler: Scheduler,
+    front: FrontDoor,
+    *,
+    plans: Link,
+    announces: Link,
+    feedbacks: Link,
+    done: Counter,
+    lag: int,
+    clock: Clock,
+    stop: StopFlag,
+) -> None:
+    while not stop:
+        # 1. requests and aborts (wait for them only when there is nothing else to do)
+        in_flight = scheduler.done < scheduler.next_step - 1
+        idle = not scheduler.has_unfinished and not in_flight
+        front.serve(POLL_S if idle else 0.0)
+        if idle:
+            clock.idle()
+        else:
+            clock.work(SCHEDULER, "serve")
+        for announcement in scheduler.take_announcements():  # aborts of queued requests
+            announces.put(announces.encode(announcement))
+        if not scheduler.has_unfinished and not in_flight:
+            continue
+        # 2. the lockstep rule: plan step s once done >= s - 1 - lag; by then the ring
+        # holds every feedback up to done. With nothing to plan, just catch up.
+        target = scheduler.next_step - 1 - lag if scheduler.has_unfinished else scheduler.done + 1
+        try:
+            done.wait_at_least(target, POLL_S)
+        except TimeoutError:
+            clock.wait(SCHEDULER, "lockstep")
+            continue
+        ready = clock.wait(SCHEDULER, "lockstep")
+        feedback = []
+        while (frame := feedbacks.try_get()) is not None:
+            feedback.append(feedbacks.decode(frame))
+            clock.hear(feedback[-1].times)
+        clock.work(SCHEDULER, "feedback")
+        # 3. plan; announcements go out before the plan that needs them
+        plan = scheduler.schedule(feedback)
+        clock.work(SCHEDULER, "schedule")
+        frames = [announces.encode(a) for a in scheduler.take_announcements()]
+        plan_frame = plans.encode(plan) if plan is not None else None
+        clock.work(SCHEDULER, "encode")
+        for frame in frames:
+            announces.put(frame)
+        clock.wait(SCHEDULER, "announce_ring")
+        if plan is not None:
+            plans.put(plan_frame)
+            clock.wait(SCHEDULER, "plan_ring")
+            clock.begin_step(SCHEDULER, plan.step, start=ready)
+            clock.end_step(SCHEDULER)
+        elif scheduler.done < scheduler.next_step - 1:
+            # Nothing to plan until a step in flight reports back.
+            with contextlib.suppress(TimeoutError):
+                done.wait_at_least(scheduler.done + 1, POLL_S)
+            clock.wait(SCHEDULER, "lockstep")
+        elif scheduler.has_unfinished:
+            front.serve(POLL_S)  # blocked on something only a client can change
+            clock.idle()
+
+
+def executor_loop(
+    executor: Executor,
+    *,
+    plans: Link,
+    results: Link,
+    done: Counter,
+    clock: Clock,
+    stop: StopFlag,
+) -> None:
+    last_step = 0
+    while not stop:
+        # 1. the next plan (the counter is only read, for the breakdown: until every step
+        # computed here is fed back, the executor waits on its peers, not on clients)
+        try:
+            with plans.get_view(POLL_S) as frame:
+                clock.wait(EXECUTOR, "plan_ring")
+                plan = plans.decode(frame)
+        except TimeoutError:
+            if done.value < last_step:
+                clock.wait(EXECUTOR, "plan_ring")
+            else:
+                clock.idle()
+            continue
+        last_step = plan.step
+        clock.begin_step(EXECUTOR, plan.step)
+        clock.work(EXECUTOR, "decode")
+        # 2. forward + sample (the executor marks its own phases)
+        result = executor.execute(plan)
+        clock.marks(EXECUTOR, executor.marks)
+        # 3. hand the result on, with this stage's totals
+        result.times = clock.snapshot()
+        frame = results.encode(result)
+        clock.work(EXECUTOR, "encode")
+        results.put(frame)
+        clock.wait(EXECUTOR, "result_ring")
+        clock.end_step(EXECUTOR)
+
+
+def output_loop(
+    processor: OutputProcessor,
+    door: OutputDoor,
+    *,
+    results: Link,
+    announces: Link,
+    feedbacks: Link,
+    done: Counter,
+    clock: Clock,
+    stop: StopFlag,
+) -> None:
+    def drain_announcements() -> list[tuple[str, OutputDelta]]:
+        deltas = []
+        while (frame := announces.try_get()) is not None:
+            deltas += processor.announce(announces.decode(frame))
+        return deltas
+
+    while not stop:
+        # 1. client greetings; announcements that need no step (aborts of queued requests)
+        door.greet()
+        door.send(drain_announcements())
+        clock.work(OUTPUT, "greet")
+        # 2. the next result (while a request is open, one is on its way: a wait, not idle)
+        try:
+            with results.get_view(POLL_S) as frame:
+                clock.wait(OUTPUT, "result_ring")
+                result = results.decode(frame)
+        except TimeoutError:
+            if processor.num_unfinished:
+                clock.wait(OUTPUT, "result_ring")
+            else:
+                clock.idle()
+            continue
+        clock.begin_step(OUTPUT, result.step)
+        # 3. its announcements were written before its plan, so they are all here now
+        deltas = drain_announcements()
+        feedback, step_deltas = processor.process(result)
+        clock.work(OUTPUT, "process")
+        # 4. feedback (carrying the executor's totals and ours), then the counter: the
+        # scheduler may now plan on this step
+        feedback.times = {**result.times, **clock.snapshot()}
+        frame = feedbacks.encode(feedback)
+        clock.work(OUTPUT, "encode")
+        feedbacks.put(frame)
+        done.advance_to(result.step)
+        clock.wait(OUTPUT, "feedback_ring")
+        # 5. stream the deltas
+        door.send(deltas + step_deltas)
+        clock.work(OUTPUT, "send")
+        clock.end_step(OUTPUT)
+
+
+# -- the three processes -------------------------------------------------------------------
+
+
 def run_executor(config: EngineConfig, wiring: Wiring, control: Control, stop: StopFlag) -> None:
     from mpengine.executor import Executor
 
     executor = Executor(config)
-    plans = Ring.attach(wiring.plan_ring)
-    results = Ring.attach(wiring.result_ring)
-    decoder = plan_decoder()
+    plans = Link.ring(wiring.plan_ring, plan_decoder())
+    results = Link.ring(wiring.result_ring)
+    done = Lockstep.attach(wiring.lockstep)  # read, never waited on
+    trace = Trace.open(config.trace, EXECUTOR)
     control.ready(model_info(config, executor))
     try:
-        while not stop:
-            # 1. the next plan
-            try:
-                with plans.get_view(POLL_S) as frame:
-                    plan = decoder.decode(frame)
-            except TimeoutError:
-                continue
-            # 2. forward + sample, 3. hand the result on
-            result = executor.execute(plan)
-            results.put(encoder.encode(result))
+        clock = Clock([EXECUTOR], trace)
+        executor_loop(executor, plans=plans, results=results, done=done, clock=clock, stop=stop)
     finally:
         plans.close()
         results.close()
+        done.close()
+        if trace is not None:
+            trace.write()
 
 
 def run_scheduler(config: EngineConfig, wiring: Wiring, control: Control, stop: StopFlag) -> None:
@@ -137,54 +352,34 @@ def run_scheduler(config: EngineConfig, wiring: Wiring, control: Control, stop: 
 
     model = control.wait_model(config.startup_timeout)
     scheduler = Scheduler(config, model.num_blocks, model.vocab_size, model.max_model_len)
-    plans = Ring.attach(wiring.plan_ring)
-    announces = Ring.attach(wiring.announce_ring)
-    feedbacks = Ring.attach(wiring.feedback_ring)
+    plans = Link.ring(wiring.plan_ring)
+    announces = Link.ring(wiring.announce_ring)
+    feedbacks = Link.ring(wiring.feedback_ring, feedback_decoder())
     done = Lockstep.attach(wiring.lockstep)
+    trace = Trace.open(config.trace, SCHEDULER)
+    clock = Clock([SCHEDULER], trace)
     edge = request_edge(config, wiring)
-    front = FrontDoor(edge, scheduler, engine_info(config, model, wiring))
-    decoder = feedback_decoder()
-    lag = config.async_depth
+    front = FrontDoor(edge, scheduler, engine_info(config, model, wiring), clock.report)
     control.ready()
     try:
-        while not stop:
-            # 1. requests and aborts (wait for them only when there is nothing else to do)
-            in_flight = scheduler.done < scheduler.next_step - 1
-            front.serve(0.0 if scheduler.has_unfinished or in_flight else POLL_S)
-            for announcement in scheduler.take_announcements():  # aborts of queued requests
-                announces.put(encoder.encode(announcement))
-            if not scheduler.has_unfinished and not in_flight:
-                continue
-            # 2. the lockstep rule: plan step s once done >= s - 1 - lag; by then the ring
-            # holds every feedback up to done. With nothing to plan, just catch up.
-            if scheduler.has_unfinished:
-                target = scheduler.next_step - 1 - lag
-            else:
-                target = scheduler.done + 1
-            try:
-                done.wait_at_least(target, POLL_S)
-            except TimeoutError:
-                continue
-            feedback = []
-            while (frame := feedbacks.try_get()) is not None:
-                feedback.append(decoder.decode(frame))
-            # 3. plan; announcements go out before the plan that needs them
-            plan = scheduler.schedule(feedback)
-            for announcement in scheduler.take_announcements():
-                announces.put(encoder.encode(announcement))
-            if plan is not None:
-                plans.put(encoder.encode(plan))
-            elif scheduler.done < scheduler.next_step - 1:
-                # Nothing to plan until a step in flight reports back.
-                with contextlib.suppress(TimeoutError):
-                    done.wait_at_least(scheduler.done + 1, POLL_S)
-            elif scheduler.has_unfinished:
-                front.serve(POLL_S)  # blocked on something only a client can change
+        scheduler_loop(
+            scheduler,
+            front,
+            plans=plans,
+            announces=announces,
+            feedbacks=feedbacks,
+            done=done,
+            lag=config.async_depth,
+            clock=clock,
+            stop=stop,
+        )
     finally:
         edge.close()
-        for ring in (plans, announces, feedbacks):
-            ring.close()
+        for link in (plans, announces, feedbacks):
+            link.close()
         done.close()
+        if trace is not None:
+            trace.write()
 
 
 def run_output(config: EngineConfig, wiring: Wiring, control: Control, stop: StopFlag) -> None:
@@ -192,43 +387,29 @@ def run_output(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
 
     model = control.wait_model(config.startup_timeout)
     processor = OutputProcessor(model.tokenizer_path, model.eos_token_ids)
-    results = Ring.attach(wiring.result_ring)
-    announces = Ring.attach(wiring.announce_ring)
-    feedbacks = Ring.attach(wiring.feedback_ring)
+    results = Link.ring(wiring.result_ring, result_decoder())
+    announces = Link.ring(wiring.announce_ring, announcement_decoder())
+    feedbacks = Link.ring(wiring.feedback_ring)
     done = Lockstep.attach(wiring.lockstep)
     edge = output_edge(config, wiring)
     door = OutputDoor(edge, processor, config)
-    announcement = announcement_decoder()
-    result_of = result_decoder()
-
-    def drain_announcements() -> list[tuple[str, OutputDelta]]:
-        deltas = []
-        while (frame := announces.try_get()) is not None:
-            deltas += processor.announce(announcement.decode(frame))
-        return deltas
-
+    trace = Trace.open(config.trace, OUTPUT)
     control.ready()
     try:
-        while not stop:
-            # 1. client greetings; announcements that need no step (aborts of queued requests)
-            door.greet()
-            door.send(drain_announcements())
-            # 2. the next result
-            try:
-                with results.get_view(POLL_S) as frame:
-                    result = result_of.decode(frame)
-            except TimeoutError:
-                continue
-            # 3. its announcements were written before its plan, so they are all here now
-            deltas = drain_announcements()
-            feedback, step_deltas = processor.process(result)
-            # 4. feedback, then the counter: the scheduler may now plan on this step
-            feedbacks.put(encoder.encode(feedback))
-            done.advance_to(result.step)
-            # 5. stream the deltas
-            door.send(deltas + step_deltas)
+        output_loop(
+            processor,
+            door,
+            results=results,
+            announces=announces,
+            feedbacks=feedbacks,
+            done=done,
+            clock=Clock([OUTPUT], trace),
+            stop=stop,
+        )
     finally:
         edge.close()
-        for ring in (results, announces, feedbacks):
-            ring.close()
+        for link in (results, announces, feedbacks):
+            link.close()
         done.close()
+        if trace is not None:
+            trace.write()

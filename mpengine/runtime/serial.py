@@ -2,7 +2,8 @@
 
 For debugging, for tests, and as the honest baseline of the benchmarks: it pays for every
 stage's Python in turn, which is what the processes runtime exists to overlap. It has the
-same ZMQ edges, so clients cannot tell the two apart.
+same ZMQ edges, so clients cannot tell the two apart. Its stages share the loop's wall
+time in the step breakdown: what one stage is not busy with, it waits for the others.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from mpengine.runtime.processes import (
     request_edge,
 )
 from mpengine.runtime.stage import Control, StopFlag
+from mpengine.runtime.timing import EXECUTOR, OUTPUT, SCHEDULER, STAGES, Clock, Trace
 
 logger = logging.getLogger(__name__)
 
@@ -33,30 +35,53 @@ def run_serial(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
     model = model_info(config, executor)
     scheduler = Scheduler(config, model.num_blocks, model.vocab_size, model.max_model_len)
     processor = OutputProcessor(model.tokenizer_path, model.eos_token_ids)
+    trace = Trace.open(config.trace, "engine")
+    clock = Clock(STAGES, trace)
     requests = request_edge(config, wiring)
     outputs = output_edge(config, wiring)
-    front = FrontDoor(requests, scheduler, engine_info(config, model, wiring))
+    front = FrontDoor(requests, scheduler, engine_info(config, model, wiring), clock.report)
     door = OutputDoor(outputs, processor, config)
     feedback = []
     control.ready(model)
     try:
         while not stop:
             # 1. requests; greetings on the output edge
-            front.serve(0.0 if scheduler.has_unfinished else POLL_S)
+            idle = not scheduler.has_unfinished
+            front.serve(POLL_S if idle else 0.0)
+            if idle:
+                clock.idle()
+            else:
+                clock.work(SCHEDULER, "serve")
             door.greet()
-            # 2. schedule, 3. execute, 4. process: one after the other
+            started = clock.work(OUTPUT, "greet")
+            # 2. schedule
             plan = scheduler.schedule(feedback)
+            clock.work(SCHEDULER, "schedule")
+            if plan is not None:
+                clock.begin_step(SCHEDULER, plan.step, start=started)
+                clock.end_step(SCHEDULER)
             feedback = []
             deltas = []
             for announcement in scheduler.take_announcements():
                 deltas += processor.announce(announcement)
+            clock.work(OUTPUT, "announce")
+            # 3. execute, 4. process: one after the other
             if plan is not None:
+                clock.begin_step(EXECUTOR, plan.step)
                 result = executor.execute(plan)
+                clock.marks(EXECUTOR, executor.marks)
+                clock.end_step(EXECUTOR)
+                clock.begin_step(OUTPUT, plan.step)
                 step_feedback, step_deltas = processor.process(result)
+                clock.work(OUTPUT, "process")
                 feedback.append(step_feedback)
                 deltas += step_deltas
             # 5. stream
             door.send(deltas)
+            clock.work(OUTPUT, "send")
+            clock.end_step(OUTPUT)
     finally:
         requests.close()
         outputs.close()
+        if trace is not None:
+            trace.write()
