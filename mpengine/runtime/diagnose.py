@@ -1,0 +1,367 @@
+"""Finding a running engine's processes, and looking inside them without stopping it.
+
+The launcher writes ``engine.json`` beside the ipc sockets (``ipc://DIR`` -> ``DIR``): its
+own pid, the runtime directory and each stage's pid (``mpengine serve`` adds its HTTP
+address). ``mpengine stacks`` and ``mpengine top`` start from there, or from a pid.
+
+Stacks: every stage registers ``faulthandler`` on ``STACKS_SIGNAL`` at start, writing to
+``RUNTIME_DIR/stacks-STAGE.txt``; it dumps every thread even while the stage is stuck in C
+code, and the engine goes on. ``py-spy dump`` is used instead when it is installed (it
+shows native frames too), falling back to faulthandler when it fails (no ptrace rights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mpengine.runtime.stage import STACKS_SIGNAL
+
+ENGINE_FILE = "engine.json"
+DUMP_TIMEOUT_S = 5.0
+DUMP_QUIET_S = 0.1  # a dump is complete once its file stops growing for this long
+
+
+# -- the engine file -------------------------------------------------------------------------
+
+
+def write_engine_file(directory: str, record: dict) -> None:
+    """Write ``DIR/engine.json``: aside, then renamed, so that a reader never sees half a
+    file."""
+    path = Path(directory) / ENGINE_FILE
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".engine-", suffix=".json")
+    with os.fdopen(fd, "w") as out:
+        json.dump(record, out)
+    os.replace(tmp, path)
+
+
+def read_engine_file(directory: str) -> dict | None:
+    try:
+        return json.loads((Path(directory) / ENGINE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass(slots=True)
+class EngineProcesses:
+    """A running engine's processes: the launcher (``mpengine serve``...) and its stages."""
+
+    launcher_pid: int
+    runtime_dir: str | None
+    stages: dict[str, int]  # stage name -> pid
+    http: str | None = None  # the HTTP front end's base URL, when it has one
+    extra: dict = field(default_factory=dict)
+
+
+def ipc_dir(address: str) -> str:
+    """``ipc://DIR/requests.sock`` (or ``ipc://DIR``) -> ``DIR``."""
+    if not address.startswith("ipc://"):
+        raise ValueError(
+            f"{address!r} is not an ipc:// address: give the launcher's pid instead (--pid)"
+        )
+    path = address[len("ipc://") :]
+    return os.path.dirname(path) if path.endswith(".sock") else path
+
+
+def find_engine(address: str | None = None, pid: int | None = None) -> EngineProcesses:
+    """The processes of the engine serving ``address`` (an ipc address), or of the engine
+    whose launcher or stage has pid ``pid``."""
+    if address is not None:
+        directory = ipc_dir(address)
+        record = read_engine_file(directory)
+        if record is None:
+            raise FileNotFoundError(f"no running engine found at {address} ({ENGINE_FILE})")
+        return EngineProcesses(
+            launcher_pid=int(record["pid"]),
+            runtime_dir=record.get("runtime_dir"),
+            stages={name: int(p) for name, p in record.get("stages", {}).items()},
+            http=record.get("http"),
+        )
+    if pid is None:
+        raise ValueError("give an engine address or a pid")
+    title = process_title(pid)
+    if title is None:
+        raise ProcessLookupError(f"no process {pid}")
+    launcher = _parent(pid) if title.startswith("mpengine: ") else pid
+    stages = {}
+    for child in _children(launcher):
+        child_title = process_title(child) or ""
+        if child_title.startswith("mpengine: "):
+            stages[child_title.removeprefix("mpengine: ")] = child
+    if not stages:
+        raise ProcessLookupError(f"process {pid} is not an mpengine launcher or stage")
+    runtime_dir = next(filter(None, map(_stack_file_dir, stages.values())), None)
+    return EngineProcesses(launcher, runtime_dir, stages)
+
+
+def _stack_file_dir(pid: int) -> str | None:
+    """The runtime directory of a stage: where the stack file it holds open lies."""
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if os.path.basename(target).startswith("stacks-"):
+                    return os.path.dirname(target)
+    return None
+
+
+def process_title(pid: int) -> str | None:
+    """What ``ps`` shows for ``pid`` (a stage's title is ``mpengine: STAGE``)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of ``pid`` (``T``: stopped), ``?`` when unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "?"
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            children += [int(c) for c in (task / "children").read_text().split()]
+    return children
+
+
+# -- stacks ----------------------------------------------------------------------------------
+
+
+def dump_stacks(
+    engine: EngineProcesses, use_py_spy: bool | None = None, timeout: float = DUMP_TIMEOUT_S
+) -> dict[str, str]:
+    """Each process's current Python stacks, by label (``scheduler``, ``executor``...,
+    ``launcher`` when it registered for dumps too, as ``mpengine serve`` does). A process
+    that does not dump within ``timeout`` seconds (stopped, or stuck with signals blocked)
+    is reported as such; the others are not held up by it."""
+    targets = dict(engine.stages)
+    if engine.runtime_dir and os.path.exists(
+        os.path.join(engine.runtime_dir, _stack_file("launcher"))
+    ):
+        targets = {"launcher": engine.launcher_pid, **targets}
+    if use_py_spy is None:
+        use_py_spy = shutil.which("py-spy") is not None
+    dumps = {}
+    for label, pid in targets.items():
+        text = _py_spy(pid) if use_py_spy else None
+        if text is None:
+            text = _faulthandler_dump(engine.runtime_dir, label, pid, timeout)
+        dumps[label] = text
+    return dumps
+
+
+def _stack_file(label: str) -> str:
+    return f"stacks-{label}.txt"
+
+
+def _py_spy(pid: int) -> str | None:
+    try:
+        done = subprocess.run(
+            ["py-spy", "dump", "--pid", str(pid)],
+            capture_output=True,
+            text=True,
+            timeout=2 * DUMP_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _faulthandler_dump(runtime_dir: str | None, label: str, pid: int, timeout: float) -> str:
+    """Signal ``pid`` and return what it appended to its stack file."""
+    if runtime_dir is None:
+        return "(no runtime directory known: cannot read its stack dump)"
+    path = Path(runtime_dir) / _stack_file(label)
+    if not path.exists():
+        return f"(no {path.name}: this process does not dump its stacks)"
+    start = path.stat().st_size
+    os.kill(pid, STACKS_SIGNAL)
+    deadline = time.monotonic() + timeout
+    size, changed = start, time.monotonic()
+    while time.monotonic() < deadline:
+        now_size = path.stat().st_size
+        if now_size != size:
+            size, changed = now_size, time.monotonic()
+        elif size > start and time.monotonic() - changed >= DUMP_QUIET_S:
+            break
+        time.sleep(0.01)
+    if size == start:
+        state = process_state(pid)
+        why = "it is stopped (SIGSTOP)" if state == "T" else f"process state {state}"
+        return f"(no dump within {timeout:g} s: {why}; it will dump when it runs again)"
+    with open(path, "rb") as dump:
+        dump.seek(start)
+        return dump.read(size - start).decode(errors="replace")
+
+
+def format_stacks(dumps: dict[str, str], engine: EngineProcesses) -> str:
+    pids = {"launcher": engine.launcher_pid, **engine.stages}
+    parts = []
+    for label, text in dumps.items():
+        parts.append(f"=== {label} (pid {pids[label]}) ===\n{text.rstrip()}\n")
+    return "\n".join(parts)
+
+
+# -- top -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Sample:
+    """One look at the engine: its stats, when, and the generated tokens so far (from the
+    HTTP front end's metrics, when there is one)."""
+
+    stats: object  # EngineStats
+    at: float
+    generated_tokens: float | None = None
+
+
+def take_sample(client, http: str | None) -> Sample:
+    stats = client.stats()
+    return Sample(stats, time.monotonic(), _generated_tokens(http) if http else None)
+
+
+def _generated_tokens(http: str) -> float | None:
+    """``mpengine:generation_tokens_total`` from the front end's /metrics."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{http}/metrics", timeout=2.0) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    total = None
+    for line in text.splitlines():
+        if line.startswith("mpengine:generation_tokens_total"):
+            total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def render_top(before: Sample, after: Sample, title: str) -> str:
+    """The ``mpengine top`` screen for the interval between two samples."""
+    s, p = after.stats, before.stats
+    dt = max(after.at - before.at, 1e-9)
+    used = 1.0 - s.num_free_blocks / s.num_blocks if s.num_blocks else 0.0
+    steps_per_s = (s.done - p.done) / dt
+    finished_per_s = (s.finished - p.finished) / dt
+    tokens = "-"
+    if after.generated_tokens is not None and before.generated_tokens is not None:
+        tokens = f"{(after.generated_tokens - before.generated_tokens) / dt:.1f}"
+    lines = [
+        title,
+        f"requests  {s.num_running} running, {s.num_waiting} waiting, "
+        f"{s.num_preempted} preempted   finished {finished_per_s:.1f}/s   "
+        f"preemptions {s.preemptions}",
+        f"KV cache  {used:6.1%} of {s.num_blocks} blocks",
+        f"rate      {tokens} tokens/s   {steps_per_s:.1f} steps/s   "
+        f"lockstep lag {s.step - s.done} steps",
+    ]
+    lines += _stage_lines(getattr(p, "stages", {}), getattr(s, "stages", {}), dt)
+    return "\n".join(lines)
+
+
+def _stage_lines(before: dict, after: dict, dt: float) -> list[str]:
+    """Each stage's busy share of the interval and its ms per step, and the verdict."""
+    if not after:
+        return ["stages    (no step breakdown from this engine)"]
+    lines = [f"{'stage':<10}{'busy':>7}{'ms/step':>10}"]
+    shares = {}
+    for stage, times in after.items():
+        prev = before.get(stage)
+        busy = times.busy - (prev.busy if prev else 0.0)
+        steps = times.steps - (prev.steps if prev else 0)
+        shares[stage] = busy / dt
+        per_step = f"{1000 * busy / steps:.2f}" if steps else "-"
+        lines.append(f"{stage:<10}{shares[stage]:>7.0%}{per_step:>10}")
+    lines.append(verdict(shares))
+    return lines
+
+
+def verdict(shares: dict[str, float]) -> str:
+    """Which stage limits the engine, from each stage's busy share of the time."""
+    if not shares:
+        return "verdict   no stages reported"
+    stage, share = max(shares.items(), key=lambda item: item[1])
+    if share < 0.5:
+        return (
+            f"verdict   no stage is saturated (busiest: {stage}, {share:.0%}): "
+            "the engine waits for work"
+        )
+    return f"verdict   the {stage} is the bottleneck: busy {share:.0%} of the time"
+
+
+# -- the commands ----------------------------------------------------------------------------
+
+
+def add_stacks_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("address", nargs="?", help="the engine's ipc:// address")
+    parser.add_argument("--pid", type=int, help="the pid of the engine's launcher or a stage")
+    parser.add_argument(
+        "--faulthandler",
+        action="store_true",
+        help="use the stages' own dumps even if py-spy is installed",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=DUMP_TIMEOUT_S, help="seconds to wait for each dump"
+    )
+
+
+def cmd_stacks(args: argparse.Namespace) -> int:
+    """``mpengine stacks``: every thread's stack, for each process of the engine."""
+    if (args.address is None) == (args.pid is None):
+        raise SystemExit("mpengine stacks: give an ipc:// ADDRESS or --pid PID")
+    engine = find_engine(args.address, args.pid)
+    dumps = dump_stacks(engine, False if args.faulthandler else None, args.timeout)
+    print(format_stacks(dumps, engine))
+    return 0
+
+
+def add_top_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("address", help="the engine's request address (ipc://... or tcp://...)")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    parser.add_argument("--once", action="store_true", help="print one screen and exit")
+    parser.add_argument("--auth-token", default=None, help="the engine's auth token, if any")
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """``mpengine top``: a live view, refreshed every ``--interval`` seconds."""
+    from mpengine.client import Client
+
+    http = None
+    if args.address.startswith("ipc://"):
+        record = read_engine_file(ipc_dir(args.address)) or {}
+        http = record.get("http")
+    with Client(args.address, auth_token=args.auth_token) as client:
+        title = f"mpengine top  {client.info.model}  ({client.info.runtime}, {args.address})"
+        before = take_sample(client, http)
+        try:
+            while True:
+                time.sleep(args.interval)
+                after = take_sample(client, http)
+                screen = render_top(before, after, title)
+                if args.once:
+                    print(screen)
+                    return 0
+                print("\x1b[H\x1b[2J" + screen, flush=True)  # home, clear
+                before = after
+        except KeyboardInterrupt:
+            return 0

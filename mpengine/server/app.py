@@ -1,0 +1,155 @@
+"""The FastAPI application: routes, API key, body limit, health and metrics.
+
+    POST /v1/completions          completions.py
+    POST /v1/chat/completions     chat.py
+    GET  /v1/models               the served model names
+    GET  /health                  200 when serving; 503 dead, draining or stalled (health.py)
+    GET  /metrics                 Prometheus text (metrics.py)
+    POST /tokenize, /detokenize   vLLM's, with the engine's tokenizer and chat template
+
+Only ``/v1/*`` needs the API key (``Authorization: Bearer KEY``), as in vLLM: health and
+metrics serve probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import msgspec
+from fastapi import APIRouter, Depends, FastAPI, Request
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mpengine.metrics import CONTENT_TYPE
+from mpengine.server.chat import chat_prompt, create_chat_completion
+from mpengine.server.completions import create_completion
+from mpengine.server.errors import APIError, install_handlers
+from mpengine.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from mpengine.server.state import ServerState
+
+
+def _json(value: msgspec.Struct, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(value), status_code=status, media_type="application/json")
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="mpengine", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    install_handlers(app)
+    app.add_middleware(BodyLimit, limit=state.max_body_bytes)
+
+    async def check_key(request: Request) -> None:
+        """``Authorization: Bearer KEY`` when the server has a key (compared in constant
+        time)."""
+        if state.api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        expected = state.api_key.encode()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(), expected):
+            message = "a valid API key is required (Authorization: Bearer KEY)"
+            raise APIError(401, message, code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(state, body, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(state, body, request)
+
+    @v1.get("/models")
+    async def models() -> Response:
+        info = state.info
+        cards = [
+            ModelCard(name, state.created, info.model, info.max_model_len)
+            for name in state.model_names
+        ]
+        return _json(ModelList(cards))
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        problem = state.monitor.problem()
+        if problem is not None:
+            raise APIError(503, problem, code="unhealthy")
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await state.monitor.poll()  # the engine's numbers as of now
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt")
+        if body.messages is not None:
+            chat = ChatCompletionRequest(
+                messages=body.messages, add_generation_prompt=body.add_generation_prompt
+            )
+            ids = chat_prompt(state, chat)
+        else:
+            ids = state.text.encode(body.prompt or "", body.add_special_tokens)
+        strs = [state.text.token_text(t) for t in ids] if body.return_token_strs else None
+        return _json(TokenizeResponse(len(ids), state.info.max_model_len, ids, strs))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        state.check_model(body.model)
+        vocab = state.info.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens: ids must be in 0..{vocab - 1}", "tokens")
+        return _json(DetokenizeResponse(state.text.decode(body.tokens)))
+
+    return app
+
+
+class BodyLimit:
+    """Refuse a request body over ``limit`` bytes with 413, before reading it when its
+    Content-Length says so, else as soon as the bytes read pass the limit."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            await self._too_large().response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    error = self._too_large()
+                    raise HTTPException(413, error.message)
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413, f"the request body exceeds {self.limit} bytes", code="request_too_large"
+        )

@@ -1,0 +1,173 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template, then the same
+engine request as a completion (one prompt, ``n`` samples, choice ``j`` is sample ``j``).
+
+``max_completion_tokens`` (or ``max_tokens``) defaults to what the context has left.
+``logprobs: true`` with ``top_logprobs: N`` returns each token's logprob and its N most
+likely alternatives. Streaming sends each choice's role first, then its content deltas.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from mpengine.client import RequestOutput
+from mpengine.server.errors import bad_request, invalid_value
+from mpengine.server.generation import Generation, PromptResult, until_disconnected
+from mpengine.server.logprobs import chat_logprobs
+from mpengine.server.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    Usage,
+)
+from mpengine.server.sse import DONE, event, stream_response
+from mpengine.server.state import ServerState
+from mpengine.server.text import message_dicts
+
+
+def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    """The token ids of the rendered conversation."""
+    extra = dict(body.chat_template_kwargs or {})
+    text = state.text.render_chat(
+        message_dicts(body.messages),
+        body.add_generation_prompt and not body.continue_final_message,
+        body.continue_final_message,
+        extra,
+    )
+    return state.text.encode(text, add_special_tokens=False)
+
+
+async def create_chat_completion(
+    state: ServerState, body: ChatCompletionRequest, request: Request
+) -> Response:
+    model = state.check_model(body.model)
+    state.check_admitting()
+    if body.tools:
+        raise bad_request("tools are not supported", "tools")
+    if body.response_format and body.response_format.get("type") not in (None, "text"):
+        raise bad_request("only the text response_format is supported", "response_format")
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    prompt = chat_prompt(state, body)
+    if len(prompt) >= state.info.max_model_len:
+        raise bad_request(
+            f"the conversation has {len(prompt)} tokens; max_model_len is "
+            f"{state.info.max_model_len} and at least one must be left to generate",
+            "messages",
+        )
+    max_tokens = body.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = body.max_tokens
+    if max_tokens is None:
+        max_tokens = state.info.max_model_len - len(prompt)
+    num_top = body.top_logprobs or 0
+    try:
+        params = body.sampling_params(max_tokens, num_top if body.logprobs else None)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise invalid_value(exc) from None
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    generation = Generation(state, [prompt], params, request_id)
+    view = _View(state, body, model, request_id, prompt, num_top)
+    if body.stream:
+        return await stream_response(request, generation, view.stream(generation))
+    results = await until_disconnected(request, generation.collect())
+    return Response(msgspec.json.encode(view.whole(results[0])), media_type="application/json")
+
+
+class _View:
+    def __init__(
+        self,
+        state: ServerState,
+        body: ChatCompletionRequest,
+        model: str,
+        request_id: str,
+        prompt: list[int],
+        num_top: int,
+    ) -> None:
+        self.state = state
+        self.body = body
+        self.model = model
+        self.id = request_id
+        self.created = int(time.time())
+        self.prompt = prompt
+        self.num_top = num_top
+
+    def _logprobs(self, token_ids: list[int], rows: list | None) -> ChatLogprobs | None:
+        if not self.body.logprobs:
+            return None
+        return chat_logprobs(self.state.text, token_ids, rows or [], self.num_top)
+
+    def _usage(self, num_generated: int) -> Usage:
+        return Usage(len(self.prompt), num_generated, len(self.prompt) + num_generated)
+
+    def whole(self, result: PromptResult) -> ChatCompletion:
+        ids = self.body.return_token_ids
+        choices = [
+            ChatChoice(
+                index,
+                AssistantMessage(sample.text),
+                self._logprobs(sample.token_ids, sample.logprobs),
+                sample.finish_reason,
+                sample.stop_reason,
+                sample.token_ids if ids else None,
+            )
+            for index, sample in enumerate(result.samples)
+        ]
+        num_generated = sum(len(sample.token_ids) for sample in result.samples)
+        return ChatCompletion(
+            self.id,
+            self.created,
+            self.model,
+            choices,
+            self._usage(num_generated),
+            prompt_token_ids=self.prompt if ids else None,
+        )
+
+    def _chunk(self, choices: list[ChatChunkChoice], **extra: object) -> bytes:
+        return event(ChatCompletionChunk(self.id, self.created, self.model, choices, **extra))
+
+    def stream(
+        self, generation: Generation
+    ) -> Callable[[tuple[int, RequestOutput]], AsyncIterator[bytes]]:
+        ids = self.body.return_token_ids
+
+        async def chunks(first: tuple[int, RequestOutput]) -> AsyncIterator[bytes]:
+            started: set[int] = set()
+            num_generated = 0
+            item: tuple[int, RequestOutput] | None = first
+            while item is not None:
+                sample = item[1].outputs[0]
+                index = sample.index
+                if index not in started:
+                    started.add(index)
+                    role = ChatChunkChoice(index, ChatDelta("assistant", ""), None, None)
+                    prompt_ids = self.prompt if ids and index == 0 else None
+                    yield self._chunk([role], prompt_token_ids=prompt_ids)
+                choice = ChatChunkChoice(
+                    index,
+                    ChatDelta(content=sample.text),
+                    self._logprobs(sample.token_ids, sample.logprobs),
+                    sample.finish_reason,
+                    sample.stop_reason,
+                    sample.token_ids if ids else None,
+                )
+                yield self._chunk([choice])
+                num_generated += len(sample.token_ids)
+                item = await generation.next()
+            options = self.body.stream_options
+            if options is not None and options.include_usage:
+                yield self._chunk([], usage=self._usage(num_generated))
+            yield DONE
+
+        return chunks

@@ -1,0 +1,235 @@
+"""``POST /v1/completions``: OpenAI's text completions, with vLLM's extensions
+(``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``...).
+
+A prompt is a string, a list of strings, token ids or a list of token-id lists; each is one
+engine request of ``n`` samples, and choice ``i * n + j`` is sample ``j`` of prompt ``i``.
+``echo`` puts the prompt before each choice's text (and, with ``logprobs``, its tokens'
+logprobs before the generated ones', the first being null).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from mpengine.client import RequestOutput
+from mpengine.server.errors import bad_request, invalid_value
+from mpengine.server.generation import Generation, PromptResult, until_disconnected
+from mpengine.server.logprobs import completion_logprobs
+from mpengine.server.schemas import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Usage,
+)
+from mpengine.server.sse import DONE, event, stream_response
+from mpengine.server.state import ServerState
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's
+
+
+async def create_completion(
+    state: ServerState, body: CompletionRequest, request: Request
+) -> Response:
+    model = state.check_model(body.model)
+    state.check_admitting()
+    if body.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of must equal n (it is not supported otherwise)", "best_of")
+    texts, prompts = _prompts(state, body.prompt)
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    prompt_logprobs = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:  # the echoed prompt shows its logprobs too
+        prompt_logprobs = body.logprobs
+    try:
+        params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise invalid_value(exc) from None
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    generation = Generation(state, prompts, params, request_id)
+    view = _View(state, body, model, request_id, texts, prompts)
+    if body.stream:
+        return await stream_response(request, generation, view.stream(generation))
+    results = await until_disconnected(request, generation.collect())
+    return Response(msgspec.json.encode(view.whole(results)), media_type="application/json")
+
+
+def _prompts(
+    state: ServerState, prompt: str | list[str] | list[int] | list[list[int]]
+) -> tuple[list[str | None], list[list[int]]]:
+    """Each prompt's text (None for token ids) and token ids."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        items: list = [prompt]  # one prompt: a string or token ids
+    else:
+        items = list(prompt)
+    if not items:
+        raise bad_request("prompt is empty", "prompt")
+    texts = [item if isinstance(item, str) else None for item in items]
+    ids = [state.text.encode(item) if isinstance(item, str) else list(item) for item in items]
+    if any(not p for p in ids):
+        raise bad_request("prompt is empty", "prompt")
+    return texts, ids
+
+
+class _View:
+    """Turns outputs into OpenAI's completion objects, whole or chunk by chunk."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        body: CompletionRequest,
+        model: str,
+        request_id: str,
+        texts: list[str | None],
+        prompts: list[list[int]],
+    ) -> None:
+        self.state = state
+        self.body = body
+        self.model = model
+        self.id = request_id
+        self.created = int(time.time())
+        self.texts = texts
+        self.prompts = prompts
+        self.n = body.n
+
+    def _prompt_text(self, index: int) -> str:
+        text = self.texts[index]
+        return text if text is not None else self.state.text.decode(self.prompts[index])
+
+    def _echo(
+        self, index: int, prompt_logprobs: list[dict[int, float] | None] | None
+    ) -> tuple[str, CompletionLogprobs | None, int]:
+        """What ``echo`` puts first in a choice: the prompt's text and, with logprobs, its
+        tokens' logprobs; and the text offset after it."""
+        text = self._prompt_text(index)
+        if self.body.logprobs is None:
+            return text, None, len(text)
+        ids = self.prompts[index]
+        rows = prompt_logprobs if prompt_logprobs is not None else [None] * len(ids)
+        logprobs, _ = completion_logprobs(self.state.text, ids, rows, 0)
+        return text, logprobs, len(text)
+
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        logprobs: CompletionLogprobs | None,
+        finish_reason: str | None,
+        stop_reason: str | int | None,
+        token_ids: list[int],
+        prompt_token_ids: list[int] | None,
+    ) -> CompletionChoice:
+        ids = self.body.return_token_ids
+        return CompletionChoice(
+            index,
+            text,
+            logprobs,
+            finish_reason,
+            stop_reason,
+            token_ids if ids else None,
+            prompt_token_ids if ids else None,
+        )
+
+    def whole(self, results: list[PromptResult]) -> Completion:
+        choices = []
+        num_generated = 0
+        for prompt_index, result in enumerate(results):
+            for sample_index, sample in enumerate(result.samples):
+                text, logprobs, offset = "", None, 0
+                if self.body.echo:
+                    text, logprobs, offset = self._echo(prompt_index, result.prompt_logprobs)
+                if self.body.logprobs is not None:
+                    rows = sample.logprobs or []
+                    generated, _ = completion_logprobs(
+                        self.state.text, sample.token_ids, rows, offset
+                    )
+                    logprobs = _join(logprobs, generated)
+                choices.append(
+                    self._choice(
+                        prompt_index * self.n + sample_index,
+                        text + sample.text,
+                        logprobs,
+                        sample.finish_reason,
+                        sample.stop_reason,
+                        sample.token_ids,
+                        result.prompt_token_ids,
+                    )
+                )
+                num_generated += len(sample.token_ids)
+        return Completion(
+            self.id, self.created, self.model, choices, usage=self._usage(num_generated)
+        )
+
+    def _usage(self, num_generated: int) -> Usage:
+        num_prompt = sum(map(len, self.prompts))
+        return Usage(num_prompt, num_generated, num_prompt + num_generated)
+
+    def stream(
+        self, generation: Generation
+    ) -> Callable[[tuple[int, RequestOutput]], AsyncIterator[bytes]]:
+        """``chunks(first)`` for ``stream_response``: one chunk per delta, then usage."""
+
+        async def chunks(first: tuple[int, RequestOutput]) -> AsyncIterator[bytes]:
+            offsets: dict[int, int] = {}  # choice index -> characters sent so far
+            prompt_logprobs: dict[int, list] = {}
+            num_generated = 0
+            item: tuple[int, RequestOutput] | None = first
+            while item is not None:
+                prompt_index, delta = item
+                sample = delta.outputs[0]
+                index = prompt_index * self.n + sample.index
+                if delta.prompt_logprobs is not None:
+                    prompt_logprobs[prompt_index] = delta.prompt_logprobs
+                text, logprobs, prompt_ids = sample.text, None, None
+                if index not in offsets:  # this choice's first chunk
+                    offsets[index] = 0
+                    prompt_ids = self.prompts[prompt_index]
+                    if self.body.echo:
+                        echoed, logprobs, offsets[index] = self._echo(
+                            prompt_index, prompt_logprobs.get(prompt_index)
+                        )
+                        text = echoed + text
+                if self.body.logprobs is not None:
+                    generated, offsets[index] = completion_logprobs(
+                        self.state.text, sample.token_ids, sample.logprobs or [], offsets[index]
+                    )
+                    logprobs = _join(logprobs, generated)
+                choice = self._choice(
+                    index,
+                    text,
+                    logprobs,
+                    sample.finish_reason,
+                    sample.stop_reason,
+                    sample.token_ids,
+                    prompt_ids,
+                )
+                yield event(Completion(self.id, self.created, self.model, [choice]))
+                num_generated += len(sample.token_ids)
+                item = await generation.next()
+            options = self.body.stream_options
+            if options is not None and options.include_usage:
+                usage = self._usage(num_generated)
+                yield event(Completion(self.id, self.created, self.model, [], usage=usage))
+            yield DONE
+
+        return chunks
+
+
+def _join(first: CompletionLogprobs | None, second: CompletionLogprobs) -> CompletionLogprobs:
+    if first is None:
+        return second
+    return CompletionLogprobs(
+        first.text_offset + second.text_offset,
+        first.token_logprobs + second.token_logprobs,
+        first.tokens + second.tokens,
+        first.top_logprobs + second.top_logprobs,
+    )

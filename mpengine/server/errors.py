@@ -1,0 +1,112 @@
+"""Errors in OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}}``, with
+the status a client can act on: 400 bad parameters (naming the field), 401 bad or missing
+API key, 404 unknown model or route, 413 too large, 503 overloaded, draining or engine gone.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from mpengine.client import ClientClosedError, InvalidRequestError
+from mpengine.launch import EngineDeadError
+from mpengine.server.schemas import ErrorInfo, ErrorResponse
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+# The engine's RequestError kinds.
+_KIND_STATUS = {"invalid": 400, "unknown": 400, "too_large": 413, "overloaded": 503}
+# Where an error message names the field: msgspec's "... - at `$.temperature`" (the
+# engine's own says "- at `sampling.temperature`"), or a message that starts with the field,
+# "min_tokens (5) > ..." or "prompt_token_ids: ...".
+_AT_FIELD = re.compile(r"- at `(?:\$\.)?(?:sampling\.)?([A-Za-z_]\w*)")
+_LEADING = re.compile(r"^([a-z_]+)(?::| \()")
+
+
+class APIError(Exception):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def response(self) -> Response:
+        body = ErrorResponse(
+            ErrorInfo(self.message, _TYPES.get(self.status, "server_error"), self.param, self.code)
+        )
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return Response(
+            msgspec.json.encode(body),
+            status_code=self.status,
+            media_type="application/json",
+            headers=headers,
+        )
+
+
+def field_of(message: str) -> str | None:
+    """The request field an error message names, if any."""
+    if match := _AT_FIELD.search(message):
+        return match.group(1)
+    if match := _LEADING.match(message):
+        return match.group(1)
+    return None
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param if param is not None else field_of(message))
+
+
+def invalid_value(exc: Exception) -> APIError:
+    """A ``msgspec.ValidationError`` or ``ValueError`` from building ``SamplingParams``."""
+    return bad_request(str(exc))
+
+
+def from_engine(exc: BaseException) -> APIError:
+    """What a failed engine request means for the HTTP client."""
+    match exc:
+        case InvalidRequestError():
+            status = _KIND_STATUS.get(exc.kind, 500)
+            code = exc.kind if status != 400 else None
+            return APIError(status, str(exc), field_of(str(exc)) if status == 400 else None, code)
+        case EngineDeadError() | ClientClosedError():
+            return APIError(503, f"the engine is not running: {exc}", code="engine_dead")
+        case TimeoutError():
+            return APIError(503, f"the engine did not answer in time: {exc}", code="timeout")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Every error leaves as OpenAI's JSON, FastAPI's own ones included."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(location) or None
+        message = str(first.get("msg", "invalid request"))
+        if param is None and first.get("type") == "model_attributes_type":
+            message = "the body must be a JSON object (Content-Type: application/json)"
+        return APIError(400, f"{param}: {message}" if param else message, param).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail)).response()

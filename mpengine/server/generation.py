@@ -1,0 +1,183 @@
+"""The engine requests of one HTTP request: one per prompt, submitted through the IPC
+client library, merged into one stream, counted in the metrics, aborted with their client.
+
+An HTTP client that goes away aborts its requests, so their KV blocks are freed at once:
+a streaming response is cancelled by Starlette when the client disconnects, and
+``until_disconnected`` does the same for a response still being computed. Cancelling a
+``Generation`` cancels the tasks that read the engine streams, whose ``finally`` aborts the
+engine requests (``AsyncClient.stream``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+from starlette.requests import Request
+
+from mpengine.client import RequestOutput
+from mpengine.protocol import SamplingParams
+from mpengine.server.errors import APIError, from_engine
+
+if TYPE_CHECKING:
+    from mpengine.server.state import ServerState
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Sample:
+    """One sample of one prompt, assembled from its deltas (non-streaming responses)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        out = delta.outputs[0]
+        self.text += out.text
+        self.token_ids += out.token_ids
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.logprobs
+        if out.finish_reason is not None:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+
+@dataclass(slots=True)
+class PromptResult:
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+class Generation:
+    """The engine requests of one HTTP request (one per prompt), as one stream of
+    ``(prompt index, delta)`` in arrival order. Counts as in flight (what a drain waits for)
+    from creation until ``close``.
+
+    One prompt (the usual case) is read straight from its stream; several are read by one
+    task each into a queue, so that a slow prompt does not hold up the others.
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+    ) -> None:
+        self.state = state
+        self.prompts = prompts
+        self.params = params
+        self.trackers = [state.metrics.tracker(len(p), params.n) for p in prompts]
+        self.streams = [
+            state.client.stream(prompt, params, request_id=f"{request_id}-{index}")
+            for index, prompt in enumerate(prompts)
+        ]
+        self.num_open = len(prompts)
+        self.closed = False
+        state.num_inflight += 1
+        self.items: asyncio.Queue[tuple[int, RequestOutput | APIError | None]] = asyncio.Queue()
+        self.tasks = []
+        if len(prompts) > 1:
+            self.tasks = [asyncio.create_task(self._pump(i)) for i in range(len(prompts))]
+
+    async def _read(self, index: int) -> RequestOutput | None:
+        """Prompt ``index``'s next delta (None after its last), counted in the metrics; an
+        engine error raises ``APIError``."""
+        try:
+            delta = await anext(self.streams[index])
+        except StopAsyncIteration:
+            return None
+        except Exception as exc:
+            raise from_engine(exc) from None
+        self.trackers[index].on_output(delta)
+        return delta
+
+    async def _pump(self, index: int) -> None:
+        try:
+            while (delta := await self._read(index)) is not None:
+                self.items.put_nowait((index, delta))
+            self.items.put_nowait((index, None))
+        except APIError as exc:
+            self.items.put_nowait((index, exc))
+
+    async def next(self) -> tuple[int, RequestOutput] | None:
+        """The next delta of any prompt, or None once all are finished. An engine error
+        (overloaded, invalid...) raises ``APIError``; ``close`` then aborts the others."""
+        if not self.tasks:
+            delta = await self._read(0) if self.num_open else None
+            if delta is None:
+                self.num_open = 0
+                return None
+            return 0, delta
+        while self.num_open:
+            index, item = await self.items.get()
+            if item is None:
+                self.num_open -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                return index, item
+        return None
+
+    async def collect(self) -> list[PromptResult]:
+        """Every prompt's samples, assembled (non-streaming responses)."""
+        n = self.params.n
+        results = [PromptResult(p, [Sample() for _ in range(n)]) for p in self.prompts]
+        try:
+            while (item := await self.next()) is not None:
+                index, delta = item
+                results[index].samples[delta.outputs[0].index].add(delta)
+                if delta.prompt_logprobs is not None:
+                    results[index].prompt_logprobs = delta.prompt_logprobs
+        finally:
+            await self.close()
+        return results
+
+    async def close(self) -> None:
+        """Abort what is still running (idempotent); its open samples count as aborted.
+        Everything that matters happens before the first await: a response cancelled by
+        its client's disconnect runs this in a cancelled scope, where every await raises."""
+        if self.closed:
+            return
+        self.closed = True
+        self.state.num_inflight -= 1
+        for tracker in self.trackers:
+            tracker.on_abandoned()
+        for task in self.tasks:
+            task.cancel()  # thrown into the stream it reads, whose ``finally`` aborts
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+        else:
+            # Runs the stream's ``finally`` (which aborts the engine request if it still
+            # runs) at once, with no suspension that a cancellation could interrupt.
+            await self.streams[0].aclose()
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the HTTP client disconnects first (the body has been
+    read, so the next ASGI message can only be the disconnect)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise APIError(499, "the client closed the request")
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

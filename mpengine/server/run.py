@@ -1,0 +1,240 @@
+"""``mpengine serve``: the engine's three stages plus the HTTP front end in this process.
+
+1. bind the HTTP port (a port in use fails before a model is loaded)
+2. launch the engine (stages, model, KV cache); IPC clients may connect at --address
+3. serve HTTP (uvicorn) through an ``AsyncClient``; tell systemd ``READY=1``
+4. every second (or half the watchdog interval): poll the engine's stats, ping the
+   watchdog only while healthy (``health.py``), update ``STATUS=``
+5. on SIGTERM or SIGINT: ``STOPPING=1`` and drain -- refuse new requests (503, and the
+   scheduler refuses IPC clients too), let admitted ones finish for --drain-timeout
+   seconds, abort the rest (finish reason ``abort``), then stop everything; exit 0
+6. if a stage dies: exit 1 (systemd restarts the service, Restart=on-failure)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import faulthandler
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Coroutine, Iterator
+
+import uvicorn
+
+from mpengine.config import EngineConfig
+from mpengine.launch import Engine
+from mpengine.metrics import ServerMetrics
+from mpengine.runtime.diagnose import ipc_dir, read_engine_file, write_engine_file
+from mpengine.runtime.notify import Notifier
+from mpengine.runtime.stage import STACKS_SIGNAL, configure_logging
+from mpengine.server.app import build_app
+from mpengine.server.health import EngineMonitor, has_work
+from mpengine.server.state import ServerState
+from mpengine.server.text import TextTools
+
+logger = logging.getLogger(__name__)
+
+ABORT_GRACE_S = 5.0  # after the drain deadline, for the aborted requests' last outputs
+HTTP_GRACE_S = 5.0  # for open connections to finish once the drain is over
+POLL_S = 0.05
+
+
+def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    """The body of ``mpengine serve``; the exit status."""
+    api_key = args.api_key
+    if args.api_key_file:
+        with open(args.api_key_file) as key_file:
+            api_key = key_file.read().strip()
+    configure_logging(engine_config.log_level, "serve")
+    listener = _listen(args.host, args.port)
+    notifier = Notifier.from_environment()
+    # Until the event loop handles them, SIGTERM and SIGINT interrupt the start-up, which
+    # undoes what it made (the engine's constructor cleans up after itself).
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.default_int_handler)
+    try:
+        engine = Engine(engine_config)
+    except KeyboardInterrupt:
+        listener.close()
+        print("mpengine: stopped while starting", file=sys.stderr)
+        return 0
+    except BaseException:
+        listener.close()
+        raise
+    try:
+        with _stack_dumps(engine.runtime_dir):
+            return _run(_serve(engine, listener, args, api_key, notifier))
+    except KeyboardInterrupt:  # between start-up and the loop's own handlers
+        return 0
+    finally:
+        engine.shutdown()
+        notifier.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=1024)
+    except OSError as exc:
+        raise SystemExit(f"mpengine: cannot listen on {host}:{port}: {exc}") from None
+
+
+@contextlib.contextmanager
+def _stack_dumps(runtime_dir: str) -> Iterator[None]:
+    """``mpengine stacks`` shows this process's threads too (the HTTP front end)."""
+    with open(os.path.join(runtime_dir, "stacks-launcher.txt"), "a") as dump:
+        faulthandler.register(STACKS_SIGNAL, file=dump, all_threads=True)
+        try:
+            yield
+        finally:
+            faulthandler.unregister(STACKS_SIGNAL)
+
+
+def _run(main: Coroutine[None, None, int]) -> int:
+    """Run ``main`` on uvloop's event loop when it is installed (less CPU per streamed
+    token, which the engine's stages feel on a small machine), on asyncio's otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    if sys.version_info < (3, 11):
+        uvloop.install()
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without signal handlers of its own: SIGTERM and SIGINT start our drain."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def install_signal_handlers(self) -> None:  # older uvicorn
+        pass
+
+
+async def _serve(
+    engine: Engine,
+    listener: socket.socket,
+    args: argparse.Namespace,
+    api_key: str | None,
+    notifier: Notifier,
+) -> int:
+    # 1. the front end's state; a stage's death marks it dead and ends the wait below
+    loop = asyncio.get_running_loop()
+    state = _state(engine, args, api_key)
+    died = asyncio.Event()
+
+    def on_death(reason: str) -> None:  # the launcher's supervisor thread
+        state.monitor.dead = reason
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            loop.call_soon_threadsafe(died.set)
+
+    engine.on_death(on_death)
+    # 2. HTTP; once it listens, ready
+    server = _Server(
+        uvicorn.Config(
+            build_app(state),
+            log_config=None,  # the process's logging, as configured
+            log_level=args.uvicorn_log_level,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=HTTP_GRACE_S,
+        )
+    )
+    http = asyncio.create_task(server.serve(sockets=[listener]))
+    while not server.started and not http.done():
+        await asyncio.sleep(0.01)
+    if http.done():
+        await http  # raises what stopped it
+        return 1
+    _announce(engine, listener, state.model_name)
+    await state.monitor.poll()
+    notifier.ready(state.monitor.status(state.model_name))
+    # 3. serve until SIGTERM/SIGINT, a stage's death, or the HTTP server's end
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    interval = min(1.0, notifier.watchdog_interval or 1.0)
+    watch = asyncio.create_task(_watch(state.monitor, notifier, state.model_name, interval))
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(died.wait()), http]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    # 4. drain (or give up), then stop HTTP
+    code = 0
+    if stop.is_set() and not died.is_set():
+        logger.info("draining (at most %g s)", args.drain_timeout)
+        notifier.stopping(f"{state.model_name}: draining")
+        await _drain(state, engine, args.drain_timeout)
+    else:
+        print(f"mpengine: {state.monitor.dead or 'the HTTP server stopped'}", file=sys.stderr)
+        code = 1
+    for task in (watch, *waits[:2]):
+        task.cancel()
+    server.should_exit = True
+    await http
+    state.client.close()
+    return code
+
+
+def _state(engine: Engine, args: argparse.Namespace, api_key: str | None) -> ServerState:
+    client = engine.async_client()
+    info = client.info
+    names = args.served_model_name or [engine.config.model]
+    metrics = ServerMetrics(names[0], info.max_model_len)
+    monitor = EngineMonitor(client, metrics, args.stall_timeout)
+    return ServerState(client, info, TextTools(info.tokenizer), metrics, monitor, names, api_key)
+
+
+def _announce(engine: Engine, listener: socket.socket, model: str) -> None:
+    host, port = listener.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    url = f"http://{host}:{port}"
+    model_path = engine.model.model_path if engine.model else model
+    # The first line is what `mpengine serve` always printed (IPC clients parse it).
+    print(f"mpengine: serving {model_path} at {engine.address}", flush=True)
+    print(f"mpengine: HTTP API at {url}/v1 (model {model!r})", flush=True)
+    if engine.address.startswith("ipc://"):
+        directory = ipc_dir(engine.address)
+        record = read_engine_file(directory) or {}
+        write_engine_file(directory, {**record, "http": url})
+
+
+async def _watch(monitor: EngineMonitor, notifier: Notifier, model: str, interval: float) -> None:
+    """Ping the watchdog only while the pipeline is healthy; keep STATUS= current."""
+    while True:
+        await monitor.poll()
+        if monitor.problem() is None:
+            notifier.watchdog()
+        notifier.status(monitor.status(model))
+        await asyncio.sleep(interval)
+
+
+async def _drain(state: ServerState, engine: Engine, timeout: float) -> None:
+    """Refuse new requests, let the admitted ones finish until ``timeout``, abort the rest."""
+    state.draining = state.monitor.draining = True
+    engine.stop_admitting()
+    if not await _until_idle(state, timeout):
+        logger.warning("drain timeout: aborting what is still running")
+        engine.abort_unfinished()
+        await _until_idle(state, ABORT_GRACE_S)
+
+
+async def _until_idle(state: ServerState, timeout: float) -> bool:
+    """Wait until no HTTP request is open and the engine (IPC clients too) has nothing left;
+    whether that happened within ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if state.num_inflight == 0:
+            stats = await state.monitor.poll()
+            if stats is not None and not has_work(stats):
+                return True
+        await asyncio.sleep(POLL_S)
+    return False

@@ -1,0 +1,269 @@
+"""What the HTTP API takes and returns: OpenAI's shapes, with vLLM's extensions.
+
+Requests are pydantic models (FastAPI validates bodies with them and names the field at
+fault); their ranges are left to ``SamplingParams`` (``protocol.py``), the one place the
+engine's bounds live, so an out-of-range value fails once, with the engine's message.
+Responses are msgspec structs: a streamed completion encodes one per token, and msgspec
+does that several times faster. Fields that OpenAI always sends (``finish_reason: null``)
+have no default; vLLM's extensions (``token_ids``...) default to None and are left out
+when unset.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from pydantic import BaseModel, ConfigDict
+
+from mpengine.protocol import SamplingParams
+
+# -- requests --------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Parameters completions and chat completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """The engine's parameters; raises ``msgspec.ValidationError`` naming the field
+        (``... - at `$.temperature```) or ``ValueError`` for a value out of range."""
+        fields: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "n": self.n,
+            "stop": [self.stop] if isinstance(self.stop, str) else (self.stop or []),
+            "stop_token_ids": self.stop_token_ids or [],
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "seed": self.seed,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+        }
+        optional = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        fields.update({name: value for name, value in optional.items() if value is not None})
+        if self.top_k is not None:
+            fields["top_k"] = 0 if self.top_k == -1 else self.top_k  # vLLM's "no top-k"
+        return msgspec.convert(fields, SamplingParams)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
+
+
+class ChatMessage(BaseModel):
+    """A chat message; content is text or a list of text parts. Other fields (``name``,
+    ``tool_calls``...) are handed to the chat template as they are."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- responses -------------------------------------------------------------------------------
+
+_OUT = {"omit_defaults": True}
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(msgspec.Struct):
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class CompletionChoice(msgspec.Struct, **_OUT):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class Completion(msgspec.Struct, **_OUT):
+    """A whole completion, or (``stream``) one chunk of it."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: Literal["text_completion"] = "text_completion"
+    usage: Usage | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(msgspec.Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct, **_OUT):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletion(msgspec.Struct, **_OUT):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatDelta(msgspec.Struct, **_OUT):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, **_OUT):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, **_OUT):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    root: str
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "mpengine"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeResponse(msgspec.Struct, **_OUT):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo

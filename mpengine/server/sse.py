@@ -1,0 +1,64 @@
+"""Server-sent events: ``data: {json}`` per chunk, ``data: [DONE]`` at the end.
+
+A streaming response starts (status 200, headers) only once the first output arrived, so a
+request the engine refuses at once (overloaded, invalid) gets its proper status and JSON
+error instead of an event stream. An error after that point is sent as an event with
+OpenAI's error shape (which the ``openai`` package raises), followed by ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from mpengine.client import RequestOutput
+from mpengine.server.errors import APIError
+from mpengine.server.generation import Generation, until_disconnected
+from mpengine.server.schemas import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode
+
+Item = tuple[int, RequestOutput]
+
+
+def event(chunk: msgspec.Struct) -> bytes:
+    return b"data: " + _encode(chunk) + b"\n\n"
+
+
+async def stream_response(
+    request: Request,
+    generation: Generation,
+    chunks: Callable[[Item], AsyncIterator[bytes]],
+) -> StreamingResponse:
+    """Wait for the first output (a refusal raises ``APIError`` here), then stream
+    ``chunks(first)``. However the stream ends, the generation is closed (aborting what
+    still runs, when the client went away)."""
+    try:
+        first = await until_disconnected(request, generation.next())
+    except BaseException:
+        await generation.close()
+        raise
+    if first is None:  # cannot happen: every request yields at least its final output
+        await generation.close()
+        raise APIError(500, "the engine finished without output")
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for data in chunks(first):
+                yield data
+        except APIError as exc:
+            info = ErrorInfo(exc.message, "server_error", exc.param, exc.code or exc.status)
+            yield event(ErrorResponse(info))
+            yield DONE
+        finally:
+            await generation.close()
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)

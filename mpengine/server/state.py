@@ -1,0 +1,59 @@
+"""What every endpoint of the front end shares."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from mpengine.client import AsyncClient
+from mpengine.metrics import ServerMetrics
+from mpengine.protocol import EngineInfo
+from mpengine.server.errors import APIError
+from mpengine.server.health import EngineMonitor
+from mpengine.server.text import TextTools
+
+MIN_BODY_BYTES = 64 * 1024
+
+
+@dataclass(slots=True)
+class ServerState:
+    client: AsyncClient
+    info: EngineInfo
+    text: TextTools
+    metrics: ServerMetrics
+    monitor: EngineMonitor
+    model_names: list[str]  # the first is the one responses name
+    api_key: str | None = None
+    draining: bool = False  # new requests get 503; set by the drain at shutdown
+    num_inflight: int = 0  # HTTP requests with engine requests open (see Generation)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body: a prompt's ids as JSON text take up to ~3 times their
+        size in the engine's frame (``max_request_bytes``)."""
+        return max(MIN_BODY_BYTES, 4 * self.info.max_request_bytes)
+
+    def check_model(self, name: str | None) -> str:
+        """The name responses give: the one the request used, which must be one this server
+        serves (None: the first)."""
+        if name is None:
+            return self.model_name
+        if name in self.model_names:
+            return name
+        message = f"the model {name!r} does not exist; this server serves {self.model_names}"
+        raise APIError(404, message, "model", "model_not_found")
+
+    def check_admitting(self) -> None:
+        """New requests get 503 once the server drains or the engine is gone."""
+        if self.draining:
+            message = "the server is draining: it admits no new requests"
+            raise APIError(503, message, code="draining")
+        if self.monitor.dead:
+            raise APIError(
+                503, f"the engine is not running: {self.monitor.dead}", code="engine_dead"
+            )

@@ -1,0 +1,544 @@
+"""The OpenAI-compatible HTTP API, driven by the official ``openai`` package.
+
+One ``mpengine serve`` for the module, started from a Hugging Face hub id found in a local
+cache (a stand-in cache holding the tiny model), with two served names and an API key.
+Greedy outputs through HTTP must equal the engine's through the IPC client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import mpengine
+from mpengine import SamplingParams
+from mpengine.testing.engine import wait_idle
+from mpengine.testing.tiny import resolve_model
+from tests.e2e.test_server_cli import Served, serving
+
+KEY = "test-key"
+HUB_ID = "testorg/tiny-chat"
+NAMES = ["tiny-chat", "tiny"]
+REQUEST_TIMEOUT_S = 60.0
+SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def fake_hub_cache(root: Path) -> Path:
+    """A Hugging Face cache holding the tiny model as ``HUB_ID`` (the layout
+    ``huggingface_hub`` reads offline: refs/main names a snapshot directory)."""
+    repo = root / ("models--" + HUB_ID.replace("/", "--"))
+    snapshot = repo / "snapshots" / SNAPSHOT
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(SNAPSHOT)
+    for file in Path(resolve_model("tiny")).iterdir():
+        shutil.copy(file, snapshot / file.name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("serve")
+    hub = fake_hub_cache(root / "hub")
+    flags = ["--model", HUB_ID, "--served-model-name", *NAMES, "--api-key", KEY]
+    flags += ["--max-num-seqs", "8", "--max-waiting-requests", "8"]
+    flags += ["--max-request-bytes", "65536", "--num-gpu-blocks-override", "256"]
+    env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+    with serving(root, *flags, env=env) as served:
+        yield served
+    assert served.proc.returncode == 0, served.log()
+
+
+@pytest.fixture(scope="module")
+def api(server: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=KEY, timeout=REQUEST_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def ipc(server: Served) -> Iterator[mpengine.Client]:
+    with mpengine.Client(server.address) as client:
+        yield client
+
+
+def http(
+    server: Served, path: str, body: object | None = None, key: str | None = KEY
+) -> tuple[int, dict]:
+    """A plain HTTP call: (status, JSON body)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(server.url + path, data=data)
+    request.add_header("Content-Type", "application/json")
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+            return reply.status, json.loads(reply.read() or b"null")
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def greedy(ipc: mpengine.Client, ids: list[int], max_tokens: int) -> list[int]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return ipc.generate(ids, params, timeout=REQUEST_TIMEOUT_S).token_ids
+
+
+def tokenize(server: Served, **body: object) -> list[int]:
+    status, reply = http(server, "/tokenize", body)
+    assert status == 200, reply
+    return reply["tokens"]
+
+
+# -- models, keys, health ----------------------------------------------------------------------
+
+
+def test_models_keys_and_health(server: Served, api: openai.OpenAI) -> None:
+    models = api.models.list()
+    assert [m.id for m in models.data] == NAMES
+    assert models.data[0].model_extra["root"].endswith(SNAPSHOT)  # resolved from the cache
+    wrong = openai.OpenAI(base_url=server.base_url, api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    status, reply = http(server, "/v1/models", key=None)
+    assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+    assert http(server, "/health", key=None) == (200, {"status": "ok"})
+    with pytest.raises(openai.NotFoundError) as error:
+        api.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    assert error.value.body["param"] == "model"
+
+
+# -- completions -------------------------------------------------------------------------------
+
+
+def test_completion_equals_the_engine(server: Served, api: openai.OpenAI, ipc) -> None:
+    prompt = "Once upon a time"
+    reply = api.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    (choice,) = reply.choices
+    ids = tokenize(server, prompt=prompt)
+    assert choice.model_extra["prompt_token_ids"] == ids
+    assert choice.model_extra["token_ids"] == greedy(ipc, ids, 8)
+    assert choice.finish_reason == "length" and reply.model == "tiny"
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == 8
+    detok = http(server, "/detokenize", {"tokens": choice.model_extra["token_ids"]})
+    assert detok == (200, {"prompt": choice.text})
+
+
+def test_prompt_forms_and_n(api: openai.OpenAI, server: Served, ipc) -> None:
+    ids = [tokenize(server, prompt=p) for p in ("The sea", "A cat sat")]
+    expected = [greedy(ipc, p, 4) for p in ids]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    for prompt in (["The sea", "A cat sat"], ids):
+        reply = api.completions.create(
+            model="tiny-chat", prompt=prompt, max_tokens=4, temperature=0, n=2, extra_body=extra
+        )
+        assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3]
+        for choice in reply.choices:  # choice i * n + j: prompt i; greedy samples agree
+            assert choice.model_extra["token_ids"] == expected[choice.index // 2]
+        assert reply.usage.prompt_tokens == sum(map(len, ids))
+        assert reply.usage.completion_tokens == 16
+    single = api.completions.create(model="tiny", prompt=ids[0], max_tokens=3, temperature=0)
+    assert (
+        single.choices[0].text
+        == api.completions.create(model="tiny", prompt="The sea", max_tokens=3, temperature=0)
+        .choices[0]
+        .text
+    )
+
+
+def test_sampling_parameters(api: openai.OpenAI) -> None:
+    def text(**kwargs: object) -> str:
+        extra = kwargs.pop("extra_body", {})
+        reply = api.completions.create(
+            model="tiny", prompt="Hello", max_tokens=12, extra_body=extra, **kwargs
+        )
+        return reply.choices[0].text
+
+    seeded = dict(temperature=0.9, top_p=0.9, seed=7, extra_body={"top_k": 50, "min_p": 0.05})
+    assert text(**seeded) == text(**seeded)
+    base = api.completions.create(
+        model="tiny", prompt="Hello", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0]
+    # A stop string of plain letters past the first token (no character split in tokens).
+    stop = next(
+        base.text[i : i + 2]
+        for i in range(3, len(base.text))
+        if base.text[i : i + 2].isalpha() and base.text[i : i + 2].isascii()
+    )
+    stopped = api.completions.create(
+        model="tiny",
+        prompt="Hello",
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+    ).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text.endswith(stop)
+    assert base.text.startswith(stopped.text)
+    penalized = api.completions.create(
+        model="tiny",
+        prompt="Hello",
+        max_tokens=12,
+        temperature=0,
+        presence_penalty=1.5,
+        frequency_penalty=1.0,
+        extra_body={"repetition_penalty": 1.3, "ignore_eos": True, "min_tokens": 12},
+    ).choices[0]
+    assert penalized.finish_reason == "length"
+
+
+def test_streaming_completion(api: openai.OpenAI) -> None:
+    whole = (
+        api.completions.create(
+            model="tiny",
+            prompt="The river",
+            max_tokens=10,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
+    chunks = list(
+        api.completions.create(
+            model="tiny",
+            prompt="The river",
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_streaming_n_and_prompts(api: openai.OpenAI) -> None:
+    stream = api.completions.create(
+        model="tiny",
+        prompt=["a", "b"],
+        max_tokens=5,
+        n=2,
+        temperature=1.0,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    tokens: dict[int, list[int]] = {}
+    finished: dict[int, str] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            tokens.setdefault(choice.index, []).extend(choice.model_extra["token_ids"])
+            if choice.finish_reason:
+                assert choice.index not in finished, "finished twice"
+                finished[choice.index] = choice.finish_reason
+    assert finished == dict.fromkeys(range(4), "length")
+    assert all(len(t) == 5 for t in tokens.values())
+
+
+def test_logprobs_and_echo(api: openai.OpenAI, server: Served) -> None:
+    ids = tokenize(server, prompt="Once upon")
+    reply = api.completions.create(
+        model="tiny",
+        prompt="Once upon",
+        max_tokens=4,
+        temperature=0,
+        logprobs=2,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    )
+    choice = reply.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith("Once upon")
+    assert len(lp.tokens) == len(ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert "".join(lp.tokens[: len(ids)]) == "Once upon"
+    for value, top in zip(lp.token_logprobs[len(ids) :], lp.top_logprobs[len(ids) :], strict=True):
+        assert value == pytest.approx(max(top.values()))  # greedy: the chosen is the likeliest
+
+
+# -- chat --------------------------------------------------------------------------------------
+
+
+def test_chat_follows_the_template(api: openai.OpenAI, server: Served, ipc) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
+    ]
+    reply = api.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    ids = tokenize(server, messages=messages)
+    template = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nName a colour."
+    rendered = template + "<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenize(server, prompt=rendered, add_special_tokens=False) == ids
+    assert reply.model_extra["prompt_token_ids"] == ids
+    (choice,) = reply.choices
+    assert choice.message.role == "assistant"
+    assert choice.model_extra["token_ids"] == greedy(ipc, ids, 6)
+    content = choice.logprobs.content
+    assert len(content) == 6 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.top_logprobs[0].logprob == pytest.approx(t.logprob) for t in content)
+    assert reply.usage.prompt_tokens == len(ids)
+
+
+def test_chat_streaming_n(api: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    whole = api.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
+    stream = api.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    texts = {0: "", 1: ""}
+    roles = []
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.append(choice.index)
+            texts[choice.index] += choice.delta.content or ""
+    assert sorted(roles) == [0, 1]
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert usage.completion_tokens == 10
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def test_bad_parameters_name_the_field(api: openai.OpenAI, server: Served) -> None:
+    cases = [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 2, "extra_body": {"min_tokens": 5}}, "min_tokens"),
+        ({"extra_body": {"stop_token_ids": [-3]}}, "stop_token_ids"),
+        ({"logprobs": 99}, "logprobs"),
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(openai.BadRequestError) as error:
+            api.completions.create(model="tiny", prompt="x", **kwargs)
+        assert error.value.body["param"] == field, (kwargs, error.value.body)
+        assert error.value.body["type"] == "invalid_request_error"
+    status, reply = http(server, "/v1/completions", {"prompt": "x", "temperature": "hot"})
+    assert status == 400 and reply["error"]["param"] == "temperature"
+    status, reply = http(server, "/v1/completions", {"prompt": [9_999_999]})
+    assert status == 400 and "vocabulary" in reply["error"]["message"]
+    status, reply = http(server, "/v1/completions", {"prompt": [1] * 5000})
+    assert status == 400 and "max_model_len" in reply["error"]["message"]
+    status, reply = http(server, "/v1/completions", {"prompt": []})
+    assert status == 400 and reply["error"]["param"] == "prompt"
+
+
+def test_too_large_body_is_413(server: Served) -> None:
+    # 64 KiB frames (--max-request-bytes) allow bodies of 256 KiB.
+    status, reply = http(server, "/v1/completions", {"prompt": "x" * 300_000})
+    assert status == 413 and reply["error"]["code"] == "request_too_large"
+
+
+def test_overloaded_is_503_and_the_engine_recovers(api: openai.OpenAI, ipc) -> None:
+    # 8 running and 8 waiting at most: 40 prompts at once cannot all be queued.
+    with pytest.raises(openai.APIStatusError) as error:
+        openai.OpenAI(base_url=api.base_url, api_key=KEY, max_retries=0).completions.create(
+            model="tiny", prompt=[[1, 2, 3]] * 40, max_tokens=64, extra_body={"ignore_eos": True}
+        )
+    assert error.value.status_code == 503
+    assert error.value.body["code"] == "overloaded"
+    stats = wait_idle(ipc, timeout=30)
+    assert stats.num_free_blocks == stats.num_blocks
+    assert api.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
+
+
+# -- disconnects -------------------------------------------------------------------------------
+
+
+def _raw_post(server: Served, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def _wait_running(ipc: mpengine.Client, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while ipc.stats().num_running == 0:
+        assert time.monotonic() < deadline, "the request never ran"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts_and_frees_blocks(server: Served, ipc, stream: bool) -> None:
+    before = wait_idle(ipc, timeout=30)
+    body = {"prompt": "Tell me", "max_tokens": 3000, "stream": stream, "ignore_eos": True}
+    sock = _raw_post(server, body)
+    try:
+        if stream:
+            received = b""
+            while b"data:" not in received:
+                chunk = sock.recv(4096)
+                assert chunk, "the server closed the stream"
+                received += chunk
+        else:
+            _wait_running(ipc)
+    finally:
+        sock.close()
+    stats = wait_idle(ipc, timeout=30)
+    assert stats.aborted == before.aborted + 1
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+# -- tokenizer endpoints and metrics -----------------------------------------------------------
+
+
+def test_tokenize_round_trip(server: Served) -> None:
+    status, reply = http(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True})
+    assert status == 200 and reply["count"] == len(reply["tokens"]) == len(reply["token_strs"])
+    assert "".join(reply["token_strs"]) == "Hello world" and reply["max_model_len"] == 4096
+    assert http(server, "/detokenize", {"tokens": reply["tokens"]}) == (
+        200,
+        {"prompt": "Hello world"},
+    )
+    status, reply = http(server, "/detokenize", {"tokens": [10**9]})
+    assert status == 400 and reply["error"]["param"] == "tokens"
+
+
+def _metrics(server: Served) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=REQUEST_TIMEOUT_S) as reply:
+        text = reply.read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            if family.name.startswith("mpengine:") and not sample.name.endswith("_created"):
+                assert sample.labels["model_name"] == NAMES[0]
+                values[sample.name, labels] = sample.value
+    return values
+
+
+def test_metrics_count_a_known_workload_exactly(server: Served, api: openai.OpenAI, ipc) -> None:
+    ids = tokenize(server, prompt="alpha beta")
+    stop_id = greedy(ipc, ids, 3)[2]
+    wait_idle(ipc, timeout=30)
+    before = _metrics(server)
+    # 5 engine requests: a completion, a chat, a greedy completion that stops on a token,
+    # and a streamed one of 2 prompts with n=2.
+    extra = {"ignore_eos": True}
+    replies = [
+        api.completions.create(model="tiny", prompt="alpha beta", max_tokens=5, extra_body=extra),
+        api.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=3,
+            extra_body=extra,
+        ),
+        api.completions.create(
+            model="tiny",
+            prompt="alpha beta",
+            max_tokens=8,
+            temperature=0,
+            extra_body={"stop_token_ids": [stop_id], "ignore_eos": True},
+        ),
+    ]
+    assert replies[2].choices[0].finish_reason == "stop"
+    chunks = list(
+        api.completions.create(
+            model="tiny",
+            prompt=["one", "two"],
+            n=2,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+    )
+    streamed = chunks[-1].usage
+    finals = [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
+    reasons = Counter(finals + [c.finish_reason for r in replies for c in r.choices])
+    num_requests = 5
+    num_samples = sum(reasons.values())
+    num_prompt = sum(r.usage.prompt_tokens for r in replies) + streamed.prompt_tokens
+    num_generated = sum(r.usage.completion_tokens for r in replies) + streamed.completion_tokens
+    after = _metrics(server)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("mpengine:prompt_tokens_total") == num_prompt
+    assert delta("mpengine:generation_tokens_total") == num_generated
+    for reason, count in reasons.items():
+        assert delta("mpengine:request_success_total", finished_reason=reason) == count
+    for histogram in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
+        assert delta(f"mpengine:{histogram}_count") == num_requests, histogram
+    assert delta("mpengine:request_prompt_tokens_sum") == num_prompt
+    assert delta("mpengine:request_generation_tokens_sum") == num_generated
+    # One output per token per sample: a sample's gaps are its tokens but one.
+    assert delta("mpengine:inter_token_latency_seconds_count") == num_generated - num_samples
+    stats = ipc.stats()
+    assert after["mpengine:num_preemptions_total", ()] == stats.preemptions
+    assert after["mpengine:num_requests_running", ()] == 0
+    assert after["mpengine:kv_cache_usage_perc", ()] == 0.0
+    assert after["mpengine:steps_total", ()] == stats.done
+    stages = {dict(k[1])["stage"] for k in after if k[0] == "mpengine:stage_busy_seconds_total"}
+    assert stages == {"scheduler", "executor", "output"}
+
+
+def test_engine_file_names_the_http_address(server: Served) -> None:
+    directory = server.address.removeprefix("ipc://").rsplit("/", 1)[0]
+    record = json.loads(Path(directory, "engine.json").read_text())
+    assert record["http"] == server.url
+    assert set(record["stages"]) == {"scheduler", "executor", "output"}
+    assert all(os.path.exists(f"/proc/{pid}") for pid in record["stages"].values())

@@ -1,0 +1,136 @@
+"""``mpengine serve`` as a process: how the HTTP tests start it, and its command line.
+
+``serving(...)`` starts ``mpengine serve --port 0`` with an ipc address in a temporary
+directory, waits for the line naming the HTTP address, and stops it (SIGTERM) however the
+test ends. The other ``test_server*``, drain and systemd tests use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mpengine.cli import build_parser
+
+START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen
+    url: str  # http://127.0.0.1:PORT
+    address: str  # the engine's IPC request address
+    stderr: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.stderr.read_text(errors="replace")[-4000:]
+
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT_S) -> int:
+        """Signal the server and return its exit status (killed if it outlives
+        ``timeout``)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise AssertionError(
+                f"mpengine serve did not stop in {timeout} s:\n{self.log()}"
+            ) from None
+
+
+def start(directory: Path, *flags: str, env: dict[str, str] | None = None) -> Served:
+    """Start ``mpengine serve`` (model ``tiny`` unless ``flags`` name one)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    address = f"ipc://{directory}/engine"
+    model = [] if "--model" in flags else ["--model", "tiny"]
+    cmd = [sys.executable, "-m", "mpengine.cli", "serve", *model, "--port", "0"]
+    cmd += ["--address", address, "--log-level", "WARNING", *flags]
+    stderr = directory / "serve.stderr"
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, env={**os.environ, **(env or {})}
+        )
+    try:
+        for line in _lines(proc, time.monotonic() + START_TIMEOUT_S, stderr):
+            if "HTTP API at " in line:
+                url = line.split("HTTP API at ", 1)[1].split()[0].removesuffix("/v1")
+                return Served(proc, url, f"{address}/requests.sock", stderr)
+        raise AssertionError("unreachable")
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+
+
+def _lines(proc: subprocess.Popen, deadline: float, stderr: Path) -> Iterator[str]:
+    """The lines ``proc`` prints, read from the raw pipe (a buffered reader would hide
+    lines it already read from ``select``)."""
+    fd = proc.stdout.fileno()
+    pending = b""
+    while True:
+        remaining = deadline - time.monotonic()
+        ready, _, _ = select.select([fd], [], [], max(0.0, remaining))
+        assert ready, f"mpengine serve not ready in time; it printed {pending!r}"
+        data = os.read(fd, 65536)
+        assert data, f"mpengine serve exited ({proc.wait(10)}):\n{stderr.read_text()}"
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            yield line.decode()
+
+
+@contextlib.contextmanager
+def serving(directory: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[Served]:
+    served = start(directory, *flags, env=env)
+    try:
+        yield served
+    finally:
+        if served.proc.poll() is None:
+            served.stop()
+
+
+def test_serve_help_documents_the_http_flags() -> None:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    text = serve.format_help()
+    for flag in ("--host", "--port", "--api-key", "--served-model-name", "--drain-timeout"):
+        assert flag in text, flag
+    assert "--max-num-seqs" in text  # and every engine flag
+
+
+def test_port_in_use_fails_before_loading(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "mpengine.cli", "serve", "--port", str(port)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+
+
+@pytest.mark.parametrize("name", ["testorg/not-cached", "./not/a/dir"])
+def test_unknown_model_path_fails_clearly(tmp_path: Path, name: str) -> None:
+    from mpengine.testing.tiny import resolve_model
+
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        with pytest.raises(FileNotFoundError, match="not a Hugging Face hub model"):
+            resolve_model(name)

@@ -1,0 +1,123 @@
+"""The front end's parts that need no engine: error statuses, request mapping, chat
+templates, health."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from mpengine.client import InvalidRequestError
+from mpengine.launch import EngineDeadError
+from mpengine.metrics import ServerMetrics
+from mpengine.protocol import EngineStats
+from mpengine.server.errors import APIError, field_of, from_engine
+from mpengine.server.health import EngineMonitor
+from mpengine.server.schemas import ChatMessage, CompletionRequest
+from mpengine.server.text import TextTools, message_dicts
+from mpengine.testing.tiny import resolve_model
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code"),
+    [
+        (InvalidRequestError("prompt_token_ids: token id 9 is outside", "invalid"), 400, None),
+        (
+            InvalidRequestError("the KV cache cannot hold this request", "too_large"),
+            413,
+            "too_large",
+        ),
+        (
+            InvalidRequestError("overloaded: 8 requests are waiting", "overloaded"),
+            503,
+            "overloaded",
+        ),
+        (EngineDeadError("the executor stage died"), 503, "engine_dead"),
+        (RuntimeError("boom"), 500, None),
+    ],
+)
+def test_engine_errors_map_to_statuses(error: Exception, status: int, code: str | None) -> None:
+    api_error = from_engine(error)
+    assert (api_error.status, api_error.code) == (status, code)
+    body = json.loads(api_error.response().body)
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_messages_name_their_field() -> None:
+    assert field_of("Expected `float` >= 0.0 - at `$.temperature`") == "temperature"
+    assert field_of("Expected `int` >= 0 - at `$.stop_token_ids[0]`") == "stop_token_ids"
+    assert field_of("Expected `float` >= 0.0 - at `sampling.temperature`") == "temperature"
+    assert field_of("min_tokens (5) > max_tokens (2)") == "min_tokens"
+    assert field_of("prompt_token_ids: token id 9 is outside") == "prompt_token_ids"
+    assert field_of("the prompt is empty") is None
+
+
+def test_request_maps_onto_sampling_params() -> None:
+    body = CompletionRequest(prompt="x", stop="end", top_k=-1, temperature=0.5, n=2, seed=3)
+    params = body.sampling_params(7, logprobs=2)
+    assert (params.max_tokens, params.stop, params.top_k, params.temperature) == (
+        7,
+        ["end"],
+        0,
+        0.5,
+    )
+    assert (params.n, params.seed, params.logprobs) == (2, 3, 2)
+    defaults = CompletionRequest(prompt="x").sampling_params(16, None)
+    assert (defaults.temperature, defaults.top_p, defaults.repetition_penalty) == (1.0, 1.0, 1.0)
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.top_p"):
+        CompletionRequest(prompt="x", top_p=1.5).sampling_params(16, None)
+
+
+def test_chat_template_renders_like_transformers(tmp_path: Path) -> None:
+    text = TextTools(resolve_model("tiny"))
+    messages = message_dicts(
+        [
+            ChatMessage(role="system", content="Be brief."),
+            ChatMessage(
+                role="user",
+                content=[{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+            ),
+        ]
+    )
+    rendered = text.render_chat(messages)
+    assert rendered == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert not text.render_chat(messages, add_generation_prompt=False).endswith("assistant\n")
+    partial = message_dicts(
+        [ChatMessage(role="user", content="Q"), ChatMessage(role="assistant", content="The answer")]
+    )
+    assert text.render_chat(partial, False, continue_final_message=True).endswith("The answer")
+    with pytest.raises(APIError, match="not supported"):
+        message_dicts([ChatMessage(role="user", content=[{"type": "image_url", "image_url": {}}])])
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(APIError, match="no chat template"):
+        TextTools(str(tmp_path)).render_chat(messages)
+
+
+def _stats(done: int, running: int) -> EngineStats:
+    fields = dict.fromkeys(EngineStats.__struct_fields__, 0)
+    fields.update(query_id=0, step=done + (1 if running else 0), done=done, num_running=running)
+    return EngineStats(**fields)
+
+
+def test_health_is_a_moving_counter_or_nothing_to_do() -> None:
+    monitor = EngineMonitor(None, ServerMetrics("m", 16), stall_timeout=5.0)  # type: ignore[arg-type]
+    assert monitor.problem(now=0.0) == "starting"
+    monitor.observe(_stats(10, running=2), now=0.0)
+    assert monitor.problem(now=4.0) is None
+    monitor.observe(_stats(10, running=2), now=4.0)
+    assert monitor.problem(now=5.5).startswith("stalled: no step finished for 6 s")
+    monitor.observe(_stats(11, running=2), now=6.0)  # it moved again
+    assert monitor.problem(now=6.0) is None
+    monitor.observe(_stats(11, running=0), now=30.0)  # idle: nothing to move for
+    assert monitor.problem(now=60.0) is None
+    monitor.error = "TimeoutError: no reply"
+    assert "does not answer" in monitor.problem(now=60.0)
+    monitor.error, monitor.draining = None, True
+    assert monitor.problem(now=60.0).startswith("draining")
+    monitor.dead = "the executor stage died (exit code -9)"
+    assert "dead" in monitor.status("tiny")

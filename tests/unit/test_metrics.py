@@ -1,0 +1,121 @@
+"""The front end's Prometheus metrics: a known sequence of outputs counts exactly, and the
+engine's own numbers are exposed as they are."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mpengine.client import CompletionOutput, RequestMetrics, RequestOutput
+from mpengine.metrics import ServerMetrics, token_buckets
+from mpengine.protocol import EngineStats, StageTimes
+
+
+def values(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
+    """Every sample of the exposition, parsed back as Prometheus would."""
+    parsed = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            assert sample.labels.pop("model_name") == "m"
+            parsed[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return parsed
+
+
+def delta(
+    index: int,
+    token_ids: list[int],
+    finish: str | None = None,
+    finished: bool = False,
+    timing: RequestMetrics | None = None,
+) -> RequestOutput:
+    """What ``AsyncClient.stream`` yields: one sample's new tokens."""
+    sample = CompletionOutput(index, "x" * len(token_ids), token_ids, finish)
+    return RequestOutput("r", [1, 2, 3], [sample], finished, metrics=timing or RequestMetrics())
+
+
+def test_one_request_counts_exactly() -> None:
+    metrics = ServerMetrics("m", 4096)
+    tracker = metrics.tracker(num_prompt_tokens=5, n=2)
+    timing = RequestMetrics(
+        arrival_time=100.0, scheduled_time=100.5, first_token_time=101.0, finished_time=103.0
+    )
+    tracker.on_output(delta(0, [7]), now=1.0)
+    tracker.on_output(delta(1, [8]), now=1.1)
+    tracker.on_output(delta(0, [9]), now=1.5)
+    tracker.on_output(delta(1, [10], "stop"), now=1.75)
+    tracker.on_output(delta(0, [11, 12], "length", finished=True, timing=timing), now=2.0)
+    v = values(metrics)
+    assert v["mpengine:prompt_tokens_total", ()] == 5
+    assert v["mpengine:generation_tokens_total", ()] == 6
+    assert v["mpengine:request_success_total", (("finished_reason", "stop"),)] == 1
+    assert v["mpengine:request_success_total", (("finished_reason", "length"),)] == 1
+    # Gaps per sample: 0.5 and 0.5 for sample 0, 0.65 for sample 1.
+    assert v["mpengine:inter_token_latency_seconds_count", ()] == 3
+    assert v["mpengine:inter_token_latency_seconds_sum", ()] == pytest.approx(1.65)
+    for name, value in (
+        ("time_to_first_token_seconds", 1.0),
+        ("request_queue_time_seconds", 0.5),
+        ("e2e_request_latency_seconds", 3.0),
+        ("request_prompt_tokens", 5),
+        ("request_generation_tokens", 6),
+    ):
+        assert v[f"mpengine:{name}_count", ()] == 1, name
+        assert v[f"mpengine:{name}_sum", ()] == pytest.approx(value), name
+    assert v["mpengine:time_to_first_token_seconds_bucket", (("le", "1.0"),)] == 1
+    assert v["mpengine:time_to_first_token_seconds_bucket", (("le", "0.75"),)] == 0
+
+
+def test_an_abandoned_request_counts_its_open_samples_as_aborted() -> None:
+    metrics = ServerMetrics("m", 4096)
+    tracker = metrics.tracker(num_prompt_tokens=3, n=3)
+    tracker.on_output(delta(0, [1], "length"), now=0.0)
+    tracker.on_output(delta(1, [2]), now=0.1)
+    tracker.on_abandoned()
+    tracker.on_abandoned()  # once only
+    v = values(metrics)
+    assert v["mpengine:request_success_total", (("finished_reason", "length"),)] == 1
+    assert v["mpengine:request_success_total", (("finished_reason", "abort"),)] == 2
+    assert v["mpengine:prompt_tokens_total", ()] == 3
+    assert v["mpengine:e2e_request_latency_seconds_count", ()] == 0  # its end was not seen
+
+
+def test_engine_numbers_are_the_engines_own() -> None:
+    metrics = ServerMetrics("m", 4096)
+    assert ("mpengine:num_preemptions_total", ()) not in values(metrics)  # no stats yet
+    fields = dict.fromkeys(EngineStats.__struct_fields__, 0)
+    fields.update(
+        query_id=1,
+        step=50,
+        done=48,
+        num_running=3,
+        num_waiting=2,
+        num_preempted=1,
+        num_blocks=200,
+        num_free_blocks=150,
+        preemptions=7,
+        stages={
+            "executor": StageTimes(steps=48, wall=4.0, busy=3.0, phases={}, waits={}),
+            "output": StageTimes(steps=48, wall=2.0, busy=0.5, phases={}, waits={}),
+        },
+    )
+    metrics.engine.update(EngineStats(**fields))
+    v = values(metrics)
+    assert v["mpengine:num_requests_running", ()] == 3
+    assert v["mpengine:num_requests_waiting", ()] == 3  # waiting and preempted
+    assert v["mpengine:kv_cache_usage_perc", ()] == 0.25
+    assert v["mpengine:num_preemptions_total", ()] == 7
+    assert v["mpengine:steps_total", ()] == 48
+    assert v["mpengine:lockstep_lag_steps", ()] == 2
+    assert v["mpengine:stage_busy_seconds_total", (("stage", "executor"),)] == 3.0
+    assert v["mpengine:stage_wait_seconds_total", (("stage", "executor"),)] == 1.0
+    assert v["mpengine:stage_wait_seconds_total", (("stage", "output"),)] == 1.5
+    fields.update(preemptions=9)
+    metrics.engine.update(EngineStats(**fields))
+    assert values(metrics)["mpengine:num_preemptions_total", ()] == 9  # set, never summed
+
+
+def test_token_buckets_follow_1_2_5() -> None:
+    assert token_buckets(4096) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+    assert token_buckets(1) == [1]
