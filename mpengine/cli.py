@@ -1,4 +1,4 @@
-"""``mpengine generate | serve | stats``: the command line.
+"""``mpengine generate | serve | stats | stacks | top``: the command line.
 
 Engine flags map one to one onto ``EngineConfig`` fields (``--max-num-seqs`` ->
 ``max_num_seqs``); their help comes from ``config.HELP``.
@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import threading
 import time
 import types
 import typing
@@ -18,6 +16,8 @@ import typing
 import msgspec
 
 from mpengine.config import HELP, EngineConfig
+from mpengine.runtime.diagnose import add_stacks_args, add_top_args, cmd_stacks, cmd_top
+from mpengine.server.options import add_serve_args
 
 _NONE = object()
 
@@ -43,13 +43,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kind, choices = _arg_type(hints[name])
         default = getattr(defaults, name)
         help_text = HELP[name] + (f" (default: {default})" if default not in (None, "") else "")
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:  # --flag / --no-flag
+            action = argparse.BooleanOptionalAction
+            group.add_argument(flag, dest=name, action=action, default=_NONE, help=help_text)
+            continue
         group.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=name,
-            type=kind,
-            choices=choices,
-            default=_NONE,
-            help=help_text,
+            flag, dest=name, type=kind, choices=choices, default=_NONE, help=help_text
         )
 
 
@@ -149,27 +149,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from mpengine.launch import Engine
+    from mpengine.server.run import serve
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    with Engine(config_from_args(args)) as engine:
-        print(f"mpengine: serving {engine.model.model_path} at {engine.address}", flush=True)
-        while not stop.wait(0.5):
-            if engine.dead:
-                print(f"mpengine: {engine.dead}", file=sys.stderr)
-                return 1
-    return 0
+    return serve(args, config_from_args(args))
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from mpengine.client import Client
+    from mpengine.runtime.timing import breakdown, counters
 
     with Client(args.address, timeout=args.timeout, auth_token=args.auth_token) as client:
         stats = client.stats()
-        fields = {name: getattr(stats, name) for name in stats.__struct_fields__}
-        print(json.dumps(fields, indent=2))
+    fields = {name: getattr(stats, name) for name in stats.__struct_fields__}
+    # Each stage's totals as named counters, then what they mean per step.
+    fields["stages"] = {stage: counters(times) for stage, times in stats.stages.items()}
+    fields["per_step"] = breakdown(stats.stages)
+    print(json.dumps(fields, indent=2))
     return 0
 
 
@@ -187,10 +182,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
-    serve = sub.add_parser("serve", help="run an engine until SIGTERM; clients connect to it")
+    serve = sub.add_parser(
+        "serve",
+        help="run an engine with an OpenAI-compatible HTTP API until SIGTERM or SIGINT (then "
+        "drain); IPC clients connect to its address too",
+    )
     add_engine_args(serve)
+    add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
-    stats = sub.add_parser("stats", help="print a running engine's scheduler counters")
+    stacks = sub.add_parser("stacks", help="print every thread's stack of each engine process")
+    add_stacks_args(stacks)
+    stacks.set_defaults(func=cmd_stacks)
+    top = sub.add_parser("top", help="a live view of a running engine (--once: one screen)")
+    add_top_args(top)
+    top.set_defaults(func=cmd_top)
+    stats = sub.add_parser(
+        "stats",
+        help="print a running engine's counters as JSON: the scheduler's queues and blocks, "
+        "each stage's time by phase and wait (stages), and per step (per_step: the executor's "
+        "duty, each stage's ms per step, its waits on each ring and the lockstep counter)",
+    )
     stats.add_argument("address", help="the engine's request address (ipc://... or tcp://...)")
     stats.add_argument("--timeout", type=float, default=10.0)
     stats.add_argument("--auth-token", default=None, help="the engine's auth token, if any")

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-Runtime = Literal["processes", "serial"]
+Runtime = Literal["processes", "serial", "threads"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -38,11 +38,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: Annotated[int, Meta(ge=1)] | None = None
+    enforce_eager: bool = False
     seed: int = 0
     engine_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_]{0,16}$")] = ""
     address: str | None = None
     max_request_bytes: Annotated[int, Meta(ge=1024)] = 4 * MiB
     ring_bytes: Annotated[int, Meta(ge=256 * 1024)] = 8 * MiB
+    prefix_caching: bool = True
     max_waiting_requests: Annotated[int, Meta(ge=1)] = 4096
     max_waiting_tokens: Annotated[int, Meta(ge=1)] = 1 << 20
     client_send_hwm: Annotated[int, Meta(ge=1)] = 1000
@@ -50,6 +52,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     advertise_host: str | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     startup_timeout: Annotated[float, Meta(gt=0)] = 300.0
+    trace: str | None = None
 
     def __post_init__(self) -> None:
         if self.address and not self.address.startswith(("ipc://", "tcp://")):
@@ -63,14 +66,18 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             )
 
     def resolve(self) -> EngineConfig:
-        """Derived defaults that need no model: engine id, thread count."""
+        """Derived defaults that need no model: engine id, thread count, trace path."""
         updates: dict = {}
         if not self.engine_id:
             updates["engine_id"] = uuid.uuid4().hex[:8]
         if self.num_threads is None:
             cores = len(os.sched_getaffinity(0))
-            # Processes: the scheduler and output stages need a core between them.
-            updates["num_threads"] = max(1, cores - 1) if self.runtime == "processes" else cores
+            # The scheduler and output stages run beside the executor: they need a core.
+            overlapped = self.runtime in ("processes", "threads")
+            updates["num_threads"] = max(1, cores - 1) if overlapped else cores
+        if self.trace:
+            # Stages write their parts at exit; the caller's cwd may have changed by then.
+            updates["trace"] = os.path.abspath(self.trace)
         return msgspec.structs.replace(self, **updates) if updates else self
 
     @property
@@ -94,14 +101,16 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
 HELP = {
     "model": "a local Hugging Face model directory, or a built-in tiny model: tiny (Qwen3), "
-    "tiny-llama, tiny-gpt2, small",
+    "tiny-llama, tiny-gpt2, small, qwen3-0.6b-shape (Qwen3-0.6B's dimensions, random weights)",
     "tokenizer": "tokenizer directory (default: the model directory)",
     "runtime": "processes: scheduler, executor and output processor as three OS processes; "
-    "serial: one process, one loop (debugging, baseline)",
+    "serial: one process, one loop (debugging, baseline); threads: the three as threads of "
+    "one process (a comparison: they share the GIL)",
     "async_depth": "how many steps the scheduler may run ahead of output processing (0 or 1)",
     "block_size": "tokens per KV cache block",
     "kv_cache_bytes": "KV cache size on the CPU (default 1 GiB)",
-    "gpu_memory_utilization": "fraction of free GPU memory for the KV cache (CUDA only)",
+    "gpu_memory_utilization": "fraction of the GPU's total memory this engine may use: weights, "
+    "activations and KV cache (CUDA only)",
     "num_gpu_blocks_override": "exact number of KV blocks, overriding the byte sizing",
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "token budget of one step (longer prompts are chunked)",
@@ -109,7 +118,9 @@ HELP = {
     "dtype": "model and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)",
     "device": "where the model runs",
     "num_threads": "torch threads in the executor (default: all cores but one in the processes "
-    "runtime, all cores in the serial one)",
+    "and threads runtimes, all cores in the serial one)",
+    "enforce_eager": "never replay CUDA graphs: run every step eagerly (CUDA only; decode "
+    "steps are captured as graphs at start-up otherwise)",
     "seed": "seed of the sampler for requests without their own seed",
     "engine_id": "names the engine's shm segments and runtime directory (default: random)",
     "address": "ipc:///DIR for DIR/requests.sock and DIR/outputs.sock (default: a private "
@@ -117,6 +128,8 @@ HELP = {
     "max_request_bytes": "largest request frame a client may send",
     "ring_bytes": "capacity of each shared-memory ring (at least max_request_bytes + 64 KiB; "
     "plans and results are bounded to fit, see docs/architecture.md)",
+    "prefix_caching": "reuse the KV cache of prompts that share a prefix (automatic prefix "
+    "caching by block hash; --no-prefix-caching turns it off)",
     "max_waiting_requests": "most requests queued before admission; past it a request fails "
     "at once with an 'overloaded' error",
     "max_waiting_tokens": "most prompt tokens queued before admission ('overloaded' past it)",
@@ -127,4 +140,7 @@ HELP = {
     "wildcard (default: the host the client used for requests)",
     "log_level": "log level of every stage (DEBUG logs each scheduling decision)",
     "startup_timeout": "seconds to wait for the stages to load and report ready",
+    "trace": "write a Chrome trace (Perfetto, chrome://tracing) of every stage's steps, phases "
+    "and waits to this file when the engine stops (each stage process keeps its last 200k "
+    "spans)",
 }

@@ -55,6 +55,8 @@ from mpengine.protocol import (
     control_decoder,
     encoder,
 )
+from mpengine.runtime.diagnose import ENGINE_FILE, write_engine_file
+from mpengine.runtime.stage import ABORT_SIGNAL, DRAIN_SIGNAL
 from shm import Lockstep, Ring, sweep_stale
 from shm.segment import pid_alive, pid_namespace
 
@@ -62,6 +64,9 @@ logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0
 LOCK_NAME = "engine.lock"
+DRAIN_TIMEOUT_S = 30.0
+ABORT_GRACE_S = 5.0  # after a drain's deadline: for the aborted requests' final outputs
+FLUSH_S = 0.1  # for the output stage's last sends (its sockets close with linger 0)
 
 # What each stage runs (``python -c STAGE_ENTRY STAGE FD PPID``). ``-c`` and ``-m`` put the
 # caller's cwd first on sys.path, where a stray ``setproctitle.py`` or ``msgspec.py`` would
@@ -215,17 +220,18 @@ def _stage_env() -> dict[str, str]:
 
 
 class StageProcess:
-    """A stage as a child process: ``python -c STAGE_ENTRY STAGE FD PPID``.
+    """A stage as a child process: ``python -c STAGE_ENTRY STAGE FD PPID RUNTIME_DIR``.
 
     A fresh interpreter (not multiprocessing's spawn) so the caller's ``__main__`` is never
     re-imported; the control connection is one end of a socketpair; ``sentinel`` is a pidfd
     that becomes readable when the process exits.
     """
 
-    def __init__(self, stage: str) -> None:
+    def __init__(self, stage: str, runtime_dir: str) -> None:
         self.stage = stage
         ours, theirs = socket.socketpair()
         argv = [sys.executable, "-c", STAGE_ENTRY, stage, str(theirs.fileno()), str(os.getpid())]
+        argv.append(runtime_dir)  # where it writes its stack dumps
         try:
             self.popen = _Spawner.popen(
                 argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=_stage_env()
@@ -288,6 +294,9 @@ class Engine:
                 stages = ("engine",)
             self._spawn(stages)
             self._wait_ready(stages)
+            if self._ipc_dir is not None:  # how `mpengine stacks/top ADDRESS` find the stages
+                record = dict(pid=os.getpid(), runtime_dir=self.runtime_dir, stages=self.pids)
+                write_engine_file(self._ipc_dir, record)
         except BaseException:
             self._stop_all()
             raise
@@ -330,7 +339,7 @@ class Engine:
     def _spawn(self, stages: tuple[str, ...]) -> None:
         config_bytes, wiring_bytes = self.config.encode(), encoder.encode(self.wiring)
         for stage in stages:
-            proc = StageProcess(stage)
+            proc = StageProcess(stage, self.runtime_dir)
             self.processes[stage] = proc
             proc.conn.send_bytes(config_bytes)
             proc.conn.send_bytes(wiring_bytes)
@@ -409,11 +418,44 @@ class Engine:
         self.on_death(client._engine_died)
         return client
 
-    def shutdown(self) -> None:
+    def shutdown(self, drain: bool = False, drain_timeout: float = DRAIN_TIMEOUT_S) -> None:
+        """Stop the engine; with ``drain``, first let admitted requests finish for up to
+        ``drain_timeout`` seconds (see ``drain``)."""
         if self._stopping.is_set() and not self.processes:
             return
+        if drain and self.dead is None and self.processes:
+            self.drain(drain_timeout)
         self._stop_all()
         atexit.unregister(self.shutdown)
+
+    # -- drain ----------------------------------------------------------------------------
+
+    def stop_admitting(self) -> None:
+        """From now on the scheduler refuses new requests (``InvalidRequestError`` of kind
+        ``overloaded``, saying the engine is draining); admitted ones go on."""
+        self._signal_scheduler(DRAIN_SIGNAL)
+
+    def abort_unfinished(self) -> None:
+        """Abort every unfinished request: each client gets final outputs with reason
+        ``abort``."""
+        self._signal_scheduler(ABORT_SIGNAL)
+
+    def drain(self, timeout: float = DRAIN_TIMEOUT_S) -> bool:
+        """Stop admitting, wait up to ``timeout`` seconds for the admitted requests to
+        finish, then abort the rest. Whether all finished in time. The engine still runs."""
+        self.stop_admitting()
+        with self.client() as client:
+            finished = wait_until_idle(client, timeout)
+            if not finished:
+                self.abort_unfinished()
+                wait_until_idle(client, ABORT_GRACE_S)
+        time.sleep(FLUSH_S)
+        return finished
+
+    def _signal_scheduler(self, signum: int) -> None:
+        stage = self.processes.get("scheduler") or self.processes.get("engine")
+        if stage is not None and stage.is_alive():
+            os.kill(stage.pid, signum)
 
     def __enter__(self) -> Engine:
         return self
@@ -440,6 +482,11 @@ class Engine:
         for proc in procs:
             proc.close()
         self.processes.clear()
+        if procs and self.config.trace:
+            # Each stage wrote its part of the trace as it stopped: one file to open.
+            from mpengine.runtime.timing import merge_trace
+
+            merge_trace(self.config.trace, [proc.stage for proc in procs])
         for segment in self._segments:
             segment.close()
         self._segments = []
@@ -447,7 +494,7 @@ class Engine:
         if self._lock_fd is not None and self._ipc_dir is not None:
             # The stages are gone and the directory is still ours: remove the socket files
             # a killed stage left, then let the next engine have it.
-            for name in ("requests.sock", "outputs.sock"):
+            for name in ("requests.sock", "outputs.sock", ENGINE_FILE):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self._ipc_dir, name))
             os.close(self._lock_fd)
@@ -458,3 +505,20 @@ class Engine:
 def launch(model: str = "tiny", **kwargs: object) -> Engine:
     """Start an engine: ``with mpengine.launch(model="tiny") as engine: ...``."""
     return Engine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+
+def wait_until_idle(client, timeout: float, poll_s: float = 0.05) -> bool:
+    """Poll the scheduler's stats until no request is left and no step is in flight;
+    whether that happened within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            stats = client.stats(timeout=max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            return False
+        busy = stats.num_running + stats.num_waiting + stats.num_preempted
+        if busy == 0 and stats.done == stats.step:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)

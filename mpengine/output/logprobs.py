@@ -62,3 +62,14 @@ def concat_logprobs(chunks: list[PromptLogprobs], num_top: int) -> Logprobs | No
     return Logprobs(
         gather("token_ids"), gather("logprobs"), gather("top_ids"), gather("top_logprobs")
     )
+
+
+def join_logprobs(rows: list[Logprobs]) -> Logprobs:
+    """Consecutive per-token rows of one sequence as one ``Logprobs`` (all of one width)."""
+
+    def join(name: str) -> Array:
+        parts = [getattr(row, name) for row in rows]
+        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        return Array(parts[0].dtype, shape, b"".join(p.data for p in parts))
+
+    return Logprobs(join("token_ids"), join("logprobs"), join("top_ids"), join("top_logprobs"))

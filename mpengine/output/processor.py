@@ -28,8 +28,10 @@ from array import array
 from dataclasses import dataclass, field
 from struct import Struct
 
+import msgspec
+
 from mpengine.output.detokenizer import Detokenizer, DetokenizerStream
-from mpengine.output.logprobs import concat_logprobs, logprob_row
+from mpengine.output.logprobs import concat_logprobs, join_logprobs, logprob_row
 from mpengine.output.stop import StopStrings, TextState
 from mpengine.protocol import (
     EMPTY_IDS,
@@ -62,6 +64,9 @@ class _Request:
     num_logprobs: int | None = None
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     prompt_logprobs_due: bool = False  # asked for and not sent yet (sample 0's first delta)
+    # best_of > n: every sample's deltas are held until the last one ends, then the n with
+    # the highest cumulative logprob are sent, as one final delta each.
+    ranked: list[_Sequence] | None = None
 
 
 @dataclass(slots=True)
@@ -73,6 +78,8 @@ class _Sequence:
     token_ids: list[int] = field(default_factory=list)
     text: TextState = field(default_factory=TextState)
     first_token_time: float = 0.0
+    cumulative_logprob: float = 0.0
+    held: list[OutputDelta] = field(default_factory=list)  # ranked requests only
 
 
 class OutputProcessor:
@@ -123,7 +130,7 @@ class OutputProcessor:
                     for seq in self._open_seqs(request):
                         delta = self._finish(seq, msg.reason, None, now, self._drain(seq))
                         delta.error = msg.message or None
-                        outputs.append((client_id, delta))
+                        outputs += self._emit(seq, delta)
                 return outputs
 
     def abort_client(self, client_id: str, message: str) -> list[Output]:
@@ -135,7 +142,7 @@ class OutputProcessor:
             for seq in self._open_seqs(self._requests[key]):
                 delta = self._finish(seq, "abort", None, now, self._drain(seq))
                 delta.error = message
-                outputs.append((client_id, delta))
+                outputs += self._emit(seq, delta)
                 self._dropped.append(seq.seq_id)
         return outputs
 
@@ -166,7 +173,7 @@ class OutputProcessor:
                 continue
             delta = self._finish(seq, "error", None, now, self._drain(seq))
             delta.error = error
-            outputs.append((seq.request.msg.client_id, delta))
+            outputs += self._emit(seq, delta)
             finished_ids.append(seq_id)
             reasons.append("error")
 
@@ -194,14 +201,17 @@ class OutputProcessor:
                 accepted_tokens.append(token_id)
                 delta = self._on_token(seq, token_id, now)
                 num_top = request.num_logprobs
-                if num_top is not None and logprobs is not None and pos in rows:
-                    delta.logprobs = logprob_row(logprobs, rows[pos], num_top)
+                if logprobs is not None and pos in rows:
+                    if num_top is not None:
+                        delta.logprobs = logprob_row(logprobs, rows[pos], num_top)
+                    if request.ranked is not None:
+                        seq.cumulative_logprob += logprobs.logprobs.numpy()[rows[pos]].item()
                 if request.prompt_logprobs_due and seq.index == 0:
                     self._attach_prompt_logprobs(seq, delta)
             if delta.finish_reason is not None:
                 finished_ids.append(seq_id)
                 reasons.append(delta.finish_reason)
-            outputs.append((request.msg.client_id, delta))
+            outputs += self._emit(seq, delta)
 
         # 4. feedback
         feedback = Feedback(
@@ -305,6 +315,41 @@ class OutputProcessor:
             )
         return delta
 
+    def _emit(self, seq: _Sequence, delta: OutputDelta) -> list[Output]:
+        """What a sequence's delta sends: itself, or for a ranked request nothing until its
+        last sample ends, then the best ``n``."""
+        request = seq.request
+        if request.ranked is None:
+            return [(request.msg.client_id, delta)]
+        seq.held.append(delta)
+        return self._best(request) if request.num_open == 0 else []
+
+    def _best(self, request: _Request) -> list[Output]:
+        """The ``n`` samples with the highest cumulative logprob, each as one final delta
+        (renumbered 0..n-1), the tokens of all samples counted on index 0's."""
+        assert request.ranked is not None and request.msg.sampling is not None
+        ranked = sorted(request.ranked, key=lambda seq: -seq.cumulative_logprob)
+        prompt_logprobs = next(
+            (d.prompt_logprobs for s in ranked for d in s.held if d.prompt_logprobs), None
+        )
+        outputs: list[Output] = []
+        for index, seq in enumerate(ranked[: request.msg.sampling.n]):
+            last = seq.held[-1]
+            rows = [d.logprobs for d in seq.held if d.logprobs is not None]
+            final = msgspec.structs.replace(
+                last,
+                index=index,
+                token_ids=Array.of(seq.token_ids),
+                text="".join(d.text for d in seq.held),
+                logprobs=join_logprobs(rows) if rows else None,
+                prompt_logprobs=prompt_logprobs if index == 0 else None,
+                cumulative_logprob=seq.cumulative_logprob,
+                num_generated_tokens=(sum(len(s.token_ids) for s in ranked) if index == 0 else 0),
+            )
+            outputs.append((request.msg.client_id, final))
+        request.ranked = None  # the samples' state is no longer needed
+        return outputs
+
     # -- helpers -------------------------------------------------------------------------
 
     def _register(self, msg: NewRequest) -> None:
@@ -324,6 +369,8 @@ class OutputProcessor:
             request.include_stop = sampling.include_stop_str_in_output
             request.num_logprobs = sampling.logprobs
             request.prompt_logprobs_due = sampling.prompt_logprobs is not None
+            if sampling.ranks_samples:
+                request.ranked = []
         key = (msg.client_id, msg.request_id)
         if key in self._requests:
             # The scheduler rejects duplicate ids; never let one clobber a live request.
@@ -337,7 +384,9 @@ class OutputProcessor:
             stream = None
             if sampling is not None:
                 stream = self.detokenizer.stream(sampling.skip_special_tokens)
-            self._seqs[seq_id] = _Sequence(seq_id, index, request, stream)
+            seq = self._seqs[seq_id] = _Sequence(seq_id, index, request, stream)
+            if request.ranked is not None:
+                request.ranked.append(seq)
 
     def _open_seqs(self, request: _Request) -> list[_Sequence]:
         seqs = (self._seqs.get(seq_id) for seq_id in request.msg.seq_ids)

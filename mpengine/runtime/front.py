@@ -1,4 +1,4 @@
-"""The engine's two doors, shared by both runtimes.
+"""The engine's two doors, shared by every runtime.
 
 ``FrontDoor`` (scheduler side): client frames in, scheduler calls and replies out. A bad
 frame or a rejected request gets a ``RequestError`` for that request only; nothing a client
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -29,6 +30,7 @@ from mpengine.protocol import (
     OutputBatch,
     OutputDelta,
     RequestError,
+    StageTimes,
     StatsQuery,
     TokenizerFile,
     TokenizerQuery,
@@ -52,10 +54,17 @@ def check_hello(hello: Hello) -> str | None:
 
 
 class FrontDoor:
-    def __init__(self, edge: Edge, scheduler: Scheduler, info: EngineInfo) -> None:
+    def __init__(
+        self,
+        edge: Edge,
+        scheduler: Scheduler,
+        info: EngineInfo,
+        stage_times: Callable[[], dict[str, StageTimes]] | None = None,
+    ) -> None:
         self.edge = edge
         self.scheduler = scheduler
         self.info = info
+        self.stage_times = stage_times  # each stage's step breakdown, for stats replies
         self.decoder = client_request_decoder()
         self._tokenizer_file: bytes | None = None
 
@@ -98,7 +107,9 @@ class FrontDoor:
                 refused = check_hello(msg)
                 self._reply(client_id, RequestError("", refused) if refused else self.info)
             case StatsQuery():
-                self._reply(client_id, EngineStats(query_id=msg.query_id, **self.scheduler.stats()))
+                stages = self.stage_times() if self.stage_times else {}
+                stats = EngineStats(query_id=msg.query_id, **self.scheduler.stats(), stages=stages)
+                self._reply(client_id, stats)
             case TokenizerQuery():
                 self._reply(client_id, TokenizerFile(msg.query_id, self._tokenizer()))
 

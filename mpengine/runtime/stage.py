@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import faulthandler
 import logging
 import os
 import signal
@@ -31,10 +32,14 @@ from mpengine.protocol import ModelInfo, StageFailed, StageReady, Wiring, contro
 logger = logging.getLogger("mpengine.runtime.stage")  # also when run as __main__
 
 PR_SET_PDEATHSIG = 1
+# What the launcher and ``mpengine stacks`` send a stage (see ``Engine.drain``).
+DRAIN_SIGNAL = signal.SIGUSR1  # scheduler: refuse new requests, let admitted ones finish
+ABORT_SIGNAL = signal.SIGRTMIN  # scheduler: abort every unfinished request (queued, not merged)
+STACKS_SIGNAL = signal.SIGUSR2  # any stage: dump every thread's Python stack (faulthandler)
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT; loops check it between waits (every wait is bounded)."""
+    """Set by SIGTERM; loops check it between waits (every wait is bounded)."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
@@ -89,7 +94,33 @@ def configure_logging(level: str, stage: str) -> None:
     )
 
 
-def run_stage(stage: str, conn: Connection, parent_pid: int) -> None:
+def install_signals(stage: str, stop: StopFlag, runtime_dir: str | None) -> None:
+    """SIGTERM stops the stage. Ctrl-C reaches the launcher's whole process group: the
+    launcher decides (it may drain first) and stops the stages with SIGTERM. The scheduler
+    obeys the drain signals (``Scheduler.draining``, ``.aborting``: checked at safe points of
+    its loop, never acted on inside the handler). Every stage dumps its threads' stacks into
+    ``RUNTIME_DIR/stacks-STAGE.txt`` on ``STACKS_SIGNAL``, even while stuck in C code."""
+    signal.signal(signal.SIGTERM, stop.set)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if stage in ("scheduler", "engine"):
+        from mpengine.scheduler import Scheduler
+
+        def drain(*_: object) -> None:
+            Scheduler.draining = True
+
+        def abort(*_: object) -> None:
+            Scheduler.draining = Scheduler.aborting = True
+
+        signal.signal(DRAIN_SIGNAL, drain)
+        signal.signal(ABORT_SIGNAL, abort)
+    if runtime_dir:
+        stacks = open(os.path.join(runtime_dir, f"stacks-{stage}.txt"), "a")  # noqa: SIM115
+        faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
+
+
+def run_stage(
+    stage: str, conn: Connection, parent_pid: int, runtime_dir: str | None = None
+) -> None:
     """The body of every stage process; the launcher sends the config and wiring first."""
     _die_with_parent(parent_pid)
     setproctitle.setproctitle(f"mpengine: {stage}")
@@ -99,8 +130,7 @@ def run_stage(stage: str, conn: Connection, parent_pid: int) -> None:
     wiring = msgspec.msgpack.decode(wiring_bytes, type=Wiring)
     configure_logging(config.log_level, stage)
     stop = StopFlag()
-    signal.signal(signal.SIGTERM, stop.set)
-    signal.signal(signal.SIGINT, stop.set)
+    install_signals(stage, stop, runtime_dir)
     control = Control(stage, conn)
     try:
         match stage:
@@ -110,6 +140,8 @@ def run_stage(stage: str, conn: Connection, parent_pid: int) -> None:
                 from mpengine.runtime.processes import run_executor as run
             case "output":
                 from mpengine.runtime.processes import run_output as run
+            case "engine" if config.runtime == "threads":
+                from mpengine.runtime.threads import run_threads as run
             case "engine":
                 from mpengine.runtime.serial import run_serial as run
             case _:
@@ -132,8 +164,10 @@ def failure_message(exc: BaseException) -> str:
 
 
 def main() -> None:
-    """``python -c ... STAGE FD PPID``: run one stage (see ``launch.StageProcess``)."""
-    run_stage(sys.argv[1], Connection(int(sys.argv[2])), int(sys.argv[3]))
+    """``python -c ... STAGE FD PPID [RUNTIME_DIR]``: run one stage (see
+    ``launch.StageProcess``)."""
+    runtime_dir = sys.argv[4] if len(sys.argv) > 4 else None
+    run_stage(sys.argv[1], Connection(int(sys.argv[2])), int(sys.argv[3]), runtime_dir)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,10 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     last_step: int = 0  # the last step that touched its slot and blocks
     fork_parent: Sequence | None = None  # share the parent's prompt blocks when it has them
+    # Prefix cache: the hash chain of its full blocks of known tokens (kept across
+    # preemption: it depends on the tokens only), and how many of ``block_ids`` are in it.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
 
     def __post_init__(self) -> None:
         assert 0 <= self.num_computed <= len(self) and self.num_inflight >= 0

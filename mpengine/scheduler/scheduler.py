@@ -25,6 +25,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import ClassVar
 
 import msgspec
 import numpy as np
@@ -43,7 +44,7 @@ from mpengine.protocol import (
     SeqStart,
     StepPlan,
 )
-from mpengine.scheduler.block_manager import BlockManager
+from mpengine.scheduler.block_manager import BlockManager, chain_hashes
 from mpengine.scheduler.request import Request, Sequence, Status
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,12 @@ class RequestRejected(ValueError):
 
 
 class Scheduler:
+    # Drain (``Engine.drain``): set by the stage's signal handlers (one scheduler per stage
+    # process), read only at safe points: admission refuses new requests while draining;
+    # once aborting, the next schedule aborts every unfinished request.
+    draining: ClassVar[bool] = False
+    aborting: ClassVar[bool] = False
+
     def __init__(
         self, config: EngineConfig, num_blocks: int, vocab_size: int, max_model_len: int
     ) -> None:
@@ -68,7 +75,7 @@ class Scheduler:
         self.max_waiting_requests = config.max_waiting_requests
         self.max_waiting_tokens = config.max_waiting_tokens
         self.limits = FrameLimits.derive(config, max_model_len)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.free_slots = deque(range(config.num_slots))
         self.requests: dict[tuple[str, str], Request] = {}  # by (client id, request id)
         self.num_waiting_requests = 0  # the queue also holds aborted ones, skipped later
@@ -88,13 +95,26 @@ class Scheduler:
         self.done = 0  # highest step whose feedback was applied
         self._next_seq_id = 0
         self.counters = dict.fromkeys(
-            ("admitted", "finished", "aborted", "preemptions", "forked_blocks"), 0
+            (
+                "admitted",
+                "finished",
+                "aborted",
+                "preemptions",
+                "forked_blocks",
+                "prefix_cache_queries",
+                "prefix_cache_hits",
+            ),
+            0,
         )
 
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, req: AddRequest, client_id: str) -> None:
         """Queue a request, or raise RequestRejected with a message for its client."""
+        if self.draining:
+            raise RequestRejected(
+                "draining: the engine is shutting down and admits no new requests", "overloaded"
+            )
         if (client_id, req.request_id) in self.requests:
             raise RequestRejected(f"request id {req.request_id!r} is already in use")
         if req.pooling is not None:
@@ -127,7 +147,7 @@ class Scheduler:
             max_tokens=max_tokens,
         )
         self._next_key += 1
-        for index in range(sampling.n):
+        for index in range(sampling.num_samples):
             seq = Sequence(self._next_seq_id, request, index, list(request.prompt_token_ids))
             self._next_seq_id += 1
             request.seqs.append(seq)
@@ -163,9 +183,10 @@ class Scheduler:
                     f"sampling.stop_token_ids: token id {token_id} is outside the vocabulary "
                     f"(0..{self.vocab_size - 1})"
                 )
-        if sampling.n > self.max_num_seqs:
+        if sampling.num_samples > self.max_num_seqs:
+            field = "best_of" if sampling.best_of else "n"
             raise RequestRejected(
-                f"sampling.n={sampling.n} exceeds max_num_seqs={self.max_num_seqs}"
+                f"sampling.{field}={sampling.num_samples} exceeds max_num_seqs={self.max_num_seqs}"
             )
         max_tokens = min(sampling.max_tokens, self.max_model_len - len(prompt))
         if sampling.min_tokens > max_tokens:
@@ -211,6 +232,15 @@ class Scheduler:
         if chunk:
             self.announcements.append(AbortRequests(client_id, chunk))
 
+    def abort_all(self) -> None:
+        """Abort every unfinished request (a drain's deadline): each client gets its final
+        outputs with reason ``abort``."""
+        by_client: dict[str, list[str]] = {}
+        for client_id, request_id in list(self.requests):
+            by_client.setdefault(client_id, []).append(request_id)
+        for client_id, request_ids in by_client.items():
+            self.abort(client_id, request_ids)
+
     def take_announcements(self) -> list[Announcement]:
         """What the output processor must learn before the plan just built."""
         announcements, self.announcements = self.announcements, []
@@ -232,9 +262,11 @@ class Scheduler:
             seq.token_ids.append(token_id)
             seq.num_inflight -= 1
             assert seq.num_inflight >= 0, f"seq {seq_id}: more tokens than planned"
-        for seq_id in feedback.finished_seq_ids:
+        for seq_id, reason in zip(feedback.finished_seq_ids, feedback.finish_reasons, strict=True):
             seq = self.seqs.get(seq_id)
             if seq is not None and not seq.finished:
+                if reason == "error":  # what its failed step wrote is not to be reused
+                    self.blocks.forget(seq.block_ids)
                 self._finish(seq)
         self.done = max(self.done, feedback.step)
         self._release_done()
@@ -245,6 +277,8 @@ class Scheduler:
         """Build the next step's plan, or None when nothing can run now."""
         for fb in feedback:
             self.apply_feedback(fb)
+        if self.aborting and self.requests:
+            self.abort_all()
         step = self.next_step
         budget = self.max_num_batched_tokens
         self._extra_bytes = self.limits.plan_extra_bytes
@@ -314,9 +348,8 @@ class Scheduler:
             seq = self.preempted[0]
             if seq.num_inflight:
                 break
-            num_tokens = self._chunk_size(seq, budget)
-            need = self.blocks.blocks_for(num_tokens)
-            if num_tokens == 0 or not self.blocks.can_allocate(need):
+            num_tokens, need = self._place(seq, budget, 0, 0)
+            if num_tokens == 0:
                 break
             self.preempted.popleft()
             seq.status = Status.RUNNING
@@ -335,20 +368,14 @@ class Scheduler:
             if len(self.running) + len(request.seqs) > self.max_num_seqs:
                 break
             parent = request.seqs[0]
-            num_tokens = self._chunk_size(parent, budget)
-            need = self.blocks.blocks_for(num_tokens)
-            # Keep room for the siblings' own tail blocks so admitting does not preempt.
-            reserve = (len(request.seqs) - 1) * 2
             params_bytes = FrameLimits.request_params_bytes(
                 request.num_prompt_tokens, request.wants_prompt_logprobs
             )
-            if (
-                num_tokens == 0
-                or params_bytes > self._extra_bytes
-                or not self.blocks.can_allocate(need + reserve)
-            ):
+            # Keep room for the siblings' own tail blocks so admitting does not preempt.
+            reserve = (len(request.seqs) - 1) * 2
+            num_tokens, need = self._place(parent, budget, params_bytes, reserve)
+            if num_tokens == 0:
                 break
-            self._extra_bytes -= params_bytes
             self.waiting.popleft()
             self.num_waiting_requests -= 1
             self.num_waiting_tokens -= request.num_prompt_tokens
@@ -362,6 +389,60 @@ class Scheduler:
             budget -= num_tokens
             logger.debug("step %d: admitted %s", step, request.request_id)
         return budget
+
+    def _place(self, seq: Sequence, budget: int, extra_bytes: int, reserve: int) -> tuple[int, int]:
+        """Make room for a sequence without blocks (admitted or resumed): reuse its longest
+        cached prefix, then size its first chunk. Returns ``(tokens, new blocks needed)``,
+        or ``(0, 0)`` with nothing taken when it does not fit this step."""
+        num_cached = self._reuse_cached(seq)
+        num_tokens = self._chunk_size(seq, budget)
+        need = self.blocks.blocks_for(seq.num_computed + num_tokens) - num_cached
+        if num_cached:  # a new slot's table holds the cached blocks too
+            extra_bytes += FrameLimits.shared_table_bytes(num_cached)
+        if (
+            num_tokens == 0
+            or extra_bytes > self._extra_bytes
+            or not self.blocks.can_allocate(need + reserve)
+        ):
+            self.blocks.free(seq.block_ids)
+            seq.block_ids, seq.num_computed, seq.num_registered = [], 0, 0
+            return 0, 0
+        self._extra_bytes -= extra_bytes
+        self.counters["prefix_cache_queries"] += len(seq) if self.blocks.caching else 0
+        self.counters["prefix_cache_hits"] += seq.num_computed
+        return num_tokens, need
+
+    def _reuse_cached(self, seq: Sequence) -> int:
+        """Give ``seq`` (holding no blocks) the cached blocks of its longest computed prefix,
+        never its last token (whose logits are needed); return how many. Requests asking
+        for prompt logprobs compute their prompt."""
+        if not self.blocks.caching or seq.request.wants_prompt_logprobs:
+            return 0
+        hashes = self._hashes(seq, (len(seq) - 1) // self.blocks.block_size)
+        seq.block_ids = self.blocks.lookup(hashes)
+        seq.num_computed = seq.num_registered = len(seq.block_ids)
+        seq.num_computed *= self.blocks.block_size
+        return len(seq.block_ids)
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The hash chain of ``seq``'s first ``num_blocks`` full blocks (extended lazily)."""
+        have = seq.block_hashes
+        if len(have) < num_blocks:
+            parent = have[-1] if have else None
+            tokens = seq.token_ids[: num_blocks * self.blocks.block_size]
+            have += chain_hashes(tokens, self.blocks.block_size, parent, len(have))
+        return have[:num_blocks]
+
+    def _register_computed(self, seq: Sequence) -> None:
+        """Name the full blocks whose tokens are known and computed (as of the plan being
+        built: a later plan that reuses them runs after this one writes them)."""
+        num_full = min(seq.num_computed, len(seq.token_ids)) // self.blocks.block_size
+        if not self.blocks.caching or num_full <= seq.num_registered:
+            return
+        hashes = self._hashes(seq, num_full)
+        for index in range(seq.num_registered, num_full):
+            self.blocks.register(seq.block_ids[index], hashes[index])
+        seq.num_registered = num_full
 
     def _try_fork(self, seq: Sequence) -> bool:
         """A sibling of an n > 1 request starts once its parent's prompt is computed: it
@@ -381,6 +462,8 @@ class Scheduler:
         if parent.status is Status.RUNNING:
             seq.block_ids = self.blocks.share(parent.block_ids[:num_shared])
             seq.num_computed = num_shared * self.blocks.block_size
+            seq.num_registered = min(num_shared, parent.num_registered)
+            seq.block_hashes = parent.block_hashes[: seq.num_registered]
             self.counters["forked_blocks"] += num_shared
         return True
 
@@ -471,6 +554,7 @@ class Scheduler:
                 token_ids.append(-1)
             seq.num_computed = end
             seq.last_step = step
+            self._register_computed(seq)
             if end == len(seq) and seq.num_outputs < seq.request.max_tokens:
                 sample[i] = True
                 seq.num_inflight += 1
@@ -526,7 +610,7 @@ class Scheduler:
         seq.block_ids = []
         self.free_slots.append(seq.slot)
         seq.slot = -1
-        seq.num_computed = 0
+        seq.num_computed = seq.num_registered = 0
         seq.fork_parent = None
         seq.status = Status.PREEMPTED
         self.preempted.appendleft(seq)
@@ -575,6 +659,7 @@ class Scheduler:
             "num_running": len(self.running),
             "num_preempted": len(self.preempted),
             "num_free_blocks": self.blocks.num_free,
+            "num_cached_blocks": self.blocks.num_cached,
             "num_blocks": self.blocks.num_blocks,
             "step": self.next_step - 1,
             "done": self.done,

@@ -68,6 +68,7 @@ KNOWN_MODELS: dict[str, tuple[str, str]] = {
     "tiny-gpt2": ("gpt2", "tiny"),
     "tiny-bert": ("bert", "tiny"),
     "small": ("qwen3", "small"),
+    "qwen3-0.6b-shape": ("qwen3", "0.6b-shape"),
 }
 
 _TOKENIZERS: dict[str, TokenizerSpec] = {
@@ -102,6 +103,20 @@ _PRESETS: dict[tuple[str, str], dict[str, object]] = {
         intermediate_size=1408,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
+    ),
+    # Qwen3-0.6B's dimensions with random weights, for benchmarks on a device (~440M
+    # parameters beside the embedding: 1.8 GB of float32 in the cache). The vocabulary is
+    # the built-in tokenizer's, so the embedding and LM head are far smaller than the
+    # real model's 151,936 rows.
+    ("qwen3", "0.6b-shape"): dict(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
     ),
     ("llama", "tiny"): dict(
         hidden_size=64,
@@ -279,6 +294,8 @@ def resolve_model(name: str) -> str:
 
     A name is a path only when it looks like one (contains a `/`, starts with `.` or `~`):
     `tiny` is always the built-in model, never a `./tiny` that happens to be in the cwd.
+    A path that is not a directory may be a Hugging Face hub id (`org/name`) whose
+    snapshot the local HF cache holds; nothing is ever downloaded.
 
     Safe when several processes resolve the same name at once: each builds into a
     private temporary directory next to the final one and renames it into place; the
@@ -287,10 +304,17 @@ def resolve_model(name: str) -> str:
     """
     if "/" in name or name.startswith((".", "~")):  # absolute paths contain a "/" too
         path = os.path.expanduser(name)
-        if not os.path.isdir(path):
-            # Hugging Face hub ids ("org/name") found in the local cache will go here.
-            raise FileNotFoundError(f"model directory {path!r} does not exist")
-        return path
+        if os.path.isdir(path):
+            return path
+        # Not a directory: a Hugging Face hub id ("org/name") the local cache holds?
+        from mpengine.executor.model_loader import cached_hub_snapshot
+
+        if (snapshot := cached_hub_snapshot(name)) is not None:
+            return snapshot
+        raise FileNotFoundError(
+            f"model directory {path!r} does not exist, and {name!r} is not a Hugging Face hub "
+            "model in the local cache (download it first: huggingface-cli download NAME)"
+        )
     if name not in KNOWN_MODELS:
         raise ValueError(
             f"unknown model {name!r}: the built-in models are {list(KNOWN_MODELS)}; "

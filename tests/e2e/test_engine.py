@@ -261,3 +261,26 @@ def test_a_huge_frame_is_refused_before_it_is_buffered(engine, client):
     ok = client.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(ok.token_ids) == 4
     assert peak_rss_kib(scheduler) - before < 64 * 1024, "the frame was not buffered"
+
+
+def test_best_of_returns_the_n_most_likely_samples(client):
+    params = SamplingParams(
+        n=2, best_of=5, max_tokens=6, temperature=1.0, seed=11, logprobs=1, ignore_eos=True
+    )
+    out = client.generate(PROMPT, params)
+    assert [o.index for o in out.outputs] == [0, 1] and out.finished
+    scores = [o.cumulative_logprob for o in out.outputs]
+    assert scores[0] >= scores[1]
+
+    def total(sample) -> float:
+        return sum(row[t] for row, t in zip(sample.logprobs, sample.token_ids, strict=True))
+
+    for sample, score in zip(out.outputs, scores, strict=True):
+        assert abs(total(sample) - score) < 1e-3
+    assert out.num_generated_tokens == 5 * 6  # every sample counts
+    # The two kept are the best of the five: with the same seed all five, returned, agree.
+    everything = client.generate(PROMPT, msgspec.structs.replace(params, n=5))
+    best = sorted((total(o) for o in everything.outputs), reverse=True)[:2]
+    assert [round(s, 3) for s in scores] == [round(s, 3) for s in best]
+    with pytest.raises(mpengine.InvalidRequestError, match="cannot be streamed"):
+        next(client.stream(PROMPT, params))

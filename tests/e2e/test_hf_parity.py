@@ -54,11 +54,25 @@ def workload(name: str) -> list[tuple[list[int], int]]:
 
 
 @functools.cache
-def hf_reference(name: str) -> list[list[int]]:
+def shared_prefix_workload(name: str) -> list[tuple[list[int], int]]:
+    """Requests that start with one of three long "system prompts" (prefix caching reuses
+    their blocks; the small cache evicts and preempts), deterministic per model."""
+    rng = random.Random(99)
+    vocab = hf_model(name).config.vocab_size
+    systems = [[rng.randrange(vocab) for _ in range(n)] for n in (150, 97, 64)]
+    requests = []
+    for i in range(NUM_REQUESTS):
+        tail = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        requests.append((systems[i % 3] + tail, rng.randint(1, 40)))
+    return requests
+
+
+@functools.cache
+def hf_reference(name: str, shared: bool = False) -> list[list[int]]:
     model = hf_model(name)
     refs = []
     with torch.no_grad():
-        for prompt, max_tokens in workload(name):
+        for prompt, max_tokens in (shared_prefix_workload if shared else workload)(name):
             ids = torch.tensor([prompt])
             out = model.generate(
                 ids,
@@ -97,12 +111,17 @@ def test_greedy_tokens_equal_hf_generate(name, runtime, start_engine):
     assert stats.preemptions > 0, "the KV cache was sized so that preemption must happen"
     assert stats.num_free_blocks == stats.num_blocks
 
+    check_against_hf(name, workload(name), outputs, refs, runtime)
+
+
+def check_against_hf(name, requests, outputs, refs, label) -> None:
+    """Exact, or a reported near-tie at the first mismatch (at most two)."""
     near_ties = []
     for i, (out, ref) in enumerate(zip(outputs, refs, strict=True)):
         got = out.token_ids
         if got == ref:
             continue
-        prompt = workload(name)[i][0]
+        prompt = requests[i][0]
         pos = next(
             (k for k, (g, r) in enumerate(zip(got, ref, strict=False)) if g != r),
             min(len(got), len(ref)),
@@ -118,7 +137,29 @@ def test_greedy_tokens_equal_hf_generate(name, runtime, start_engine):
         )
         near_ties.append((i, pos, gap))
     if near_ties:
-        print(
-            f"{name} {runtime}: {len(near_ties)} near-tie(s) (request, position, gap): {near_ties}"
-        )
+        print(f"{name} {label}: {len(near_ties)} near-tie(s) (request, position, gap): {near_ties}")
     assert len(near_ties) <= 2, f"too many near-ties to be chance: {near_ties}"
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES[1:])
+def test_shared_prefixes_with_prefix_caching_equal_hf_generate(runtime, start_engine):
+    """Prefix caching on, prompts sharing long prefixes, a cache small enough to evict and
+    preempt: still HF's tokens."""
+    name = "tiny"
+    requests = shared_prefix_workload(name)
+    refs = hf_reference(name, shared=True)
+    engine = start_engine(
+        model=name,
+        num_gpu_blocks_override=40,
+        block_size=16,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+        prefix_caching=True,
+        **runtime,
+    )
+    with engine.client() as client:
+        params = [SamplingParams(max_tokens=m, temperature=0.0) for _, m in requests]
+        outputs = client.generate_many([p for p, _ in requests], params, timeout=600)
+        stats = wait_idle(client)
+    assert stats.prefix_cache_hits > 0 and stats.num_free_blocks == stats.num_blocks
+    check_against_hf(name, requests, outputs, refs, runtime)

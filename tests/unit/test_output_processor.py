@@ -413,3 +413,37 @@ def test_abort_client_returns_final_deltas_and_reports_them(proc: OutputProcesso
     assert [client for client, _ in out] == ["fast"]
     assert sorted(feedback.finished_seq_ids) == [1, 2]
     assert proc.abort_client("slow", "again") == []
+
+
+def test_best_of_holds_every_sample_and_returns_the_n_most_likely(
+    proc: OutputProcessor, tok: Tokenizer
+) -> None:
+    params = SamplingParams(n=2, best_of=3, max_tokens=2, ignore_eos=True)
+    proc.announce(NewRequest("r", "c1", [1, 2, 3], 7, params, None, 100.0, 101.0))
+    ids = tok.encode("ab").ids[:1] * 3
+
+    def step(number: int, values: list[float]) -> StepResult:
+        lp = Logprobs(
+            Array.of(ids),
+            Array.of(values, "float32"),
+            Array.of(np.zeros((3, 0)), "int32"),
+            Array.of(np.zeros((3, 0)), "float32"),
+        )
+        return StepResult(
+            number,
+            Array.of([1, 2, 3], "int64"),
+            Array.of(ids),
+            logprobs=lp,
+            logprob_rows=Array.of([0, 1, 2]),
+        )
+
+    feedback, out = proc.process(step(0, [-1.0, -0.5, -3.0]))
+    assert out == [] and feedback.seq_ids.numpy().tolist() == [1, 2, 3]  # held, not sent
+    feedback, out = proc.process(step(1, [-1.0, -0.25, -0.1]))
+    assert sorted(feedback.finished_seq_ids) == [1, 2, 3]
+    deltas = [d for _, d in out]
+    # Sample 2 (-0.75) then sample 1 (-2.0); sample 3 (-3.1) is dropped.
+    assert [(d.index, d.cumulative_logprob) for d in deltas] == [(0, -0.75), (1, -2.0)]
+    assert all(len(d.token_ids) == 2 and d.finish_reason == "length" for d in deltas)
+    assert deltas[0].num_generated_tokens == 6 and deltas[0].logprobs is None
+    assert proc.num_unfinished == 0

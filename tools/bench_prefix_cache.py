@@ -1,0 +1,119 @@
+"""Prefix caching: a shared system prompt and short questions, with and without the cache.
+
+64 concurrent requests per round, each a 1,000-token system prompt followed by a short
+question, ``--max-tokens`` greedy tokens each. Two engines (``prefix_caching`` on and off)
+run at once and are timed in interleaved rounds, so a shared machine's drifts hit both
+alike. Reports time to first token (median over all requests of the timed rounds) and
+output tokens/s (median over rounds), as a table and JSON.
+
+    python tools/bench_prefix_cache.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import mpengine
+from mpengine import SamplingParams
+
+
+def run_round(
+    client: mpengine.Client, system: list[int], rng: random.Random, args: argparse.Namespace
+) -> tuple[float, list[float]]:
+    """Output tokens/s of one round and each request's time to first token."""
+    vocab = client.info.vocab_size
+    prompts = [
+        system + [rng.randrange(3, vocab) for _ in range(20)] for _ in range(args.concurrency)
+    ]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = client.generate_many(prompts, params, timeout=900)
+    elapsed = time.perf_counter() - start
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+    return sum(len(o.token_ids) for o in outs) / elapsed, ttft
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--system-tokens", type=int, default=1000)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--json", default="bench_prefix_cache.json")
+    args = parser.parse_args()
+
+    engines = {
+        caching: mpengine.launch(
+            model=args.model,
+            prefix_caching=caching,
+            max_num_seqs=args.concurrency,
+            log_level="WARNING",
+        )
+        for caching in (True, False)
+    }
+    clients = {caching: engine.client() for caching, engine in engines.items()}
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    ttfts: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        vocab = clients[True].info.vocab_size
+        system = [random.Random(0).randrange(3, vocab) for _ in range(args.system_tokens)]
+        for client in clients.values():  # warm-up (and, with caching, fill it)
+            run_round(client, system, random.Random(1), args)
+        for round_index in range(args.rounds):
+            for caching, client in clients.items():
+                rate, ttft = run_round(client, system, random.Random(10 + round_index), args)
+                rates[caching].append(rate)
+                ttfts[caching] += ttft
+            print(
+                f"round {round_index}: caching {rates[True][-1]:7.0f} tok/s, "
+                f"no caching {rates[False][-1]:7.0f} tok/s",
+                flush=True,
+            )
+        hits = clients[True].stats()
+    finally:
+        for client in clients.values():
+            client.close()
+        for engine in engines.values():
+            engine.shutdown()
+
+    def row(caching: bool) -> tuple[float, float, float]:
+        ttft = sorted(ttfts[caching])
+        return (
+            statistics.median(rates[caching]),
+            1000 * statistics.median(ttft),
+            1000 * ttft[int(0.99 * (len(ttft) - 1))],
+        )
+
+    on, off = row(True), row(False)
+    print(
+        f"\n| {args.concurrency} x ({args.system_tokens}-token system prompt + 20-token "
+        f"question), {args.max_tokens} tokens each | tokens/s | TTFT p50 ms | TTFT p99 ms |"
+    )
+    print("|---|---|---|---|")
+    print(f"| no prefix caching | {off[0]:.0f} | {off[1]:.0f} | {off[2]:.0f} |")
+    print(f"| prefix caching | {on[0]:.0f} | {on[1]:.0f} | {on[2]:.0f} |")
+    print(
+        f"\nthroughput {on[0] / off[0]:.2f}x, TTFT p50 {off[1] / on[1]:.1f}x lower; cache hit "
+        f"rate {hits.prefix_cache_hits / max(1, hits.prefix_cache_queries):.1%}"
+    )
+    with open(args.json, "w") as f:
+        json.dump(
+            {
+                "args": vars(args),
+                "tokens_per_s": {"caching": rates[True], "no_caching": rates[False]},
+                "ttft_s": {"caching": ttfts[True], "no_caching": ttfts[False]},
+                "prefix_cache_queries": hits.prefix_cache_queries,
+                "prefix_cache_hits": hits.prefix_cache_hits,
+            },
+            f,
+            indent=2,
+        )
+
+
+if __name__ == "__main__":
+    main()
