@@ -1,4 +1,4 @@
-"""``mpengine generate | serve | stats | stacks | top``: the command line.
+"""``mpengine generate | embed | serve | stats | stacks | top``: the command line.
 
 Engine flags map one to one onto ``EngineConfig`` fields (``--max-num-seqs`` ->
 ``max_num_seqs``); their help comes from ``config.HELP``.
@@ -148,6 +148,49 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def pooling_from_args(args: argparse.Namespace):
+    from mpengine.protocol import PoolingParams
+
+    try:
+        return PoolingParams(normalize=args.normalize, dimensions=args.dimensions).validate()
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise SystemExit(f"mpengine: invalid pooling parameters: {exc}") from None
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    from mpengine.client import InvalidRequestError
+    from mpengine.launch import Engine
+
+    params = pooling_from_args(args)
+    with Engine(config_from_args(args)) as engine, engine.client() as client:
+        if client.info.pooling is None:
+            if engine.config.pooling == "none":
+                raise SystemExit("mpengine: --pooling none turns embeddings off")
+            raise SystemExit(
+                f"mpengine: the model {engine.config.model!r} cannot embed (give an embedding "
+                "model, or --pooling last|mean|cls to pool a generation model's hidden states)"
+            )
+        start = time.perf_counter()
+        try:
+            outputs = client.embed_many(args.text, params)
+        except InvalidRequestError as exc:
+            raise SystemExit(f"mpengine: the engine refused the request: {exc}") from None
+        elapsed = time.perf_counter() - start
+    for index, out in enumerate(outputs):
+        record = {
+            "index": index,
+            "num_prompt_tokens": out.num_prompt_tokens,
+            "embedding": out.embedding.tolist(),
+        }
+        print(json.dumps(record))
+    num_tokens = sum(out.num_prompt_tokens for out in outputs)
+    print(
+        f"{len(outputs)} embeddings of {num_tokens} prompt tokens in {elapsed:.2f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from mpengine.server.run import serve
 
@@ -182,6 +225,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+    embed = sub.add_parser(
+        "embed",
+        help="launch an engine with an embedding model, embed texts, print one JSON object "
+        "per text",
+    )
+    embed.add_argument("text", nargs="+", help="a text to embed")
+    # How to pool is the engine's --pooling (the model's default, which requests keep).
+    group = embed.add_argument_group("embedding")
+    group.add_argument(
+        "--normalize",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="L2-normalise the embeddings (default: the model's)",
+    )
+    group.add_argument(
+        "--dimensions", type=int, default=None, help="keep the first N values (Matryoshka)"
+    )
+    add_engine_args(embed)
+    embed.set_defaults(func=cmd_embed)
     serve = sub.add_parser(
         "serve",
         help="run an engine with an OpenAI-compatible HTTP API until SIGTERM or SIGINT (then "

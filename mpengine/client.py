@@ -5,6 +5,9 @@
         out = client.generate("Hello", SamplingParams(max_tokens=16, temperature=0))
         print(out.text)
 
+    with mpengine.launch(model="tiny-bert") as engine:      # an embedding model
+        vectors = [o.embedding for o in engine.client().embed_many(["a", "b"])]
+
     client = mpengine.Client("tcp://gpu-box:5555", auth_token="...")   # a running engine
 
 How it is built, bottom up:
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -47,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -61,6 +66,7 @@ from mpengine.protocol import (
     Logprobs,
     OutputBatch,
     OutputDelta,
+    PoolingParams,
     RequestError,
     SamplingParams,
     StatsQuery,
@@ -105,6 +111,11 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, kind: str = "invalid") -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class RequestFailedError(RuntimeError):
+    """An embedding request ended without its embedding (its step failed, or it was
+    aborted); the message says why."""
 
 
 class ClientClosedError(RuntimeError):
@@ -178,6 +189,20 @@ class RequestOutput:
         return self.outputs[0].logprobs
 
 
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One input's embedding (float32, ``dimensions`` long when asked for)."""
+
+    request_id: str
+    embedding: np.ndarray
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
 def _logprob_dicts(lp: Logprobs) -> list[dict[int, float]]:
     ids, values = lp.token_ids.numpy().tolist(), lp.logprobs.numpy().tolist()
     top_ids, top_values = lp.top_ids.numpy().tolist(), lp.top_logprobs.numpy().tolist()
@@ -193,12 +218,13 @@ class _Assembly:
     """Accumulates a request's deltas into a RequestOutput."""
 
     def __init__(self, request: AddRequest) -> None:
-        assert request.sampling is not None
-        n = request.sampling.n
+        n = request.sampling.n if request.sampling is not None else 1
         prompt_ids = request.prompt_token_ids.numpy().tolist()
         samples = [CompletionOutput(i) for i in range(n)]
         self.output = RequestOutput(request.request_id, prompt_ids, samples)
         self.num_open = n
+        self.embedding: np.ndarray | None = None  # a pooling request's result
+        self.num_prompt_tokens = 0  # as the engine counted them (on the final delta)
 
     def add(self, delta: OutputDelta) -> RequestOutput:
         """Apply a delta; return it as a RequestOutput holding only what is new."""
@@ -206,6 +232,9 @@ class _Assembly:
         new = CompletionOutput(delta.index, delta.text, delta.token_ids.numpy().tolist())
         out.text += delta.text
         out.token_ids += new.token_ids
+        if delta.embedding is not None:
+            self.embedding = delta.embedding.numpy().copy()
+            self.num_prompt_tokens = delta.num_prompt_tokens
         if delta.logprobs is not None:
             new.logprobs = _logprob_dicts(delta.logprobs)
             if out.logprobs is None:
@@ -236,6 +265,19 @@ class _Assembly:
             self.output.prompt_logprobs if delta.prompt_logprobs is not None else None,
             self.output.metrics,
         )
+
+    def embedding_output(self) -> EmbeddingOutput:
+        """The finished pooling request's result, or ``RequestFailedError``."""
+        out = self.output
+        if self.embedding is None:
+            first = out.outputs[0]
+            raise RequestFailedError(
+                f"request {out.request_id!r} ended ({first.finish_reason}) without its "
+                f"embedding: {first.error or 'no reason given'}"
+            )
+        # The engine truncates token ids when asked to (truncate_prompt_tokens).
+        prompt = out.prompt_token_ids[: self.num_prompt_tokens or None]
+        return EmbeddingOutput(out.request_id, self.embedding, prompt, out.metrics)
 
 
 # -- building blocks: context, addresses, deadlines, abort frames ---------------------------
@@ -884,6 +926,14 @@ class _AsyncRequest(_Request):
 # -- the public clients ----------------------------------------------------------------------
 
 
+def _per_prompt(params: Any, kind: type, count: int) -> list:
+    """One parameter set per prompt: the same one for all (the default when None), or a
+    sequence of them."""
+    if params is None or isinstance(params, kind):
+        return [params or kind()] * count
+    return list(params)
+
+
 class _ClientBase:
     def __init__(
         self,
@@ -920,15 +970,24 @@ class _ClientBase:
     def client_id(self) -> str:
         return self._conn.client_id
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, *, max_length: int | None = None) -> list[int]:
         """Token ids of ``text`` with the engine's tokenizer (fetched from the engine once
-        per client, so this works from any host)."""
+        per client, so this works from any host), special tokens added as the model's
+        tokenizer frames an input. ``max_length`` truncates the text's tokens so that the
+        framed whole fits (as ``transformers``' ``truncation=True``)."""
         if self._tokenizer is None:
             with self._tokenizer_lock:
                 if self._tokenizer is None:
                     reply = _query(self._conn, TokenizerQuery, self._timeout)
                     self._tokenizer = self._load_tokenizer(reply)
-        return self._tokenizer.encode(text).ids
+        tokenizer = self._tokenizer
+        if max_length is None:
+            return tokenizer.encode(text).ids
+        encoding = tokenizer.encode(text, add_special_tokens=False)
+        room = max(0, max_length - tokenizer.num_special_tokens_to_add(False))
+        if len(encoding.ids) > room:
+            encoding.truncate(room)
+        return tokenizer.post_process(encoding).ids
 
     @staticmethod
     def _load_tokenizer(reply: TokenizerFile) -> Tokenizer:
@@ -954,6 +1013,22 @@ class _ClientBase:
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = request_id or f"{self.client_id}-{next(self._ids)}"
         return AddRequest(request_id, Array.of(ids), params, arrival_time=time.time())
+
+    def _embed_request(
+        self, prompt: Prompt, params: PoolingParams | None, request_id: str | None
+    ) -> AddRequest:
+        params = (params or PoolingParams()).validate()
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InvalidRequestError("the input is empty (or only whitespace)")
+            limit = params.truncate_prompt_tokens
+            if limit == -1:
+                limit = self.info.max_model_len
+            ids = self.tokenize(prompt, max_length=limit)
+        else:
+            ids = list(prompt)
+        request_id = request_id or f"{self.client_id}-{next(self._ids)}"
+        return AddRequest(request_id, Array.of(ids), pooling=params, arrival_time=time.time())
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its output finishes with reason ``abort``."""
@@ -1021,15 +1096,57 @@ class Client(_ClientBase):
     ) -> list[RequestOutput]:
         """Submit every prompt at once (so they batch); return the outputs in order. After
         ``timeout`` seconds (for all of them) abort the unfinished and raise ``TimeoutError``."""
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
+        params = _per_prompt(params, SamplingParams, len(prompts))
         ids = request_ids or [None] * len(prompts)
+        requests = [
+            functools.partial(self._request, prompt, p, rid)
+            for prompt, p, rid in zip(prompts, params, ids, strict=True)
+        ]
+        return [r.assembly.output for r in self._run_all(requests, timeout)]
+
+    def embed(
+        self,
+        prompt: Prompt,
+        params: PoolingParams | None = None,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> EmbeddingOutput:
+        """The embedding of one text (or token ids); ``params`` default to the model's
+        pooling. After ``timeout`` seconds abort it and raise ``TimeoutError``."""
+        return self.embed_many([prompt], params, timeout=timeout, request_ids=[request_id])[0]
+
+    def embed_many(
+        self,
+        prompts: Sequence[Prompt],
+        params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        timeout: float | None = None,
+        request_ids: Sequence[str | None] | None = None,
+    ) -> list[EmbeddingOutput]:
+        """Submit every input at once (so they batch); return the embeddings in order. A bad
+        input raises ``InvalidRequestError`` (the others are aborted)."""
+        params = _per_prompt(params, PoolingParams, len(prompts))
+        ids = request_ids or [None] * len(prompts)
+        requests = [
+            functools.partial(self._embed_request, prompt, p, rid)
+            for prompt, p, rid in zip(prompts, params, ids, strict=True)
+        ]
+        return [r.assembly.embedding_output() for r in self._run_all(requests, timeout)]
+
+    def _run_all(
+        self, makes: Sequence[Callable[[], AddRequest]], timeout: float | None
+    ) -> list[_SyncRequest]:
+        """Submit the requests ``makes`` build, wait for all of them to finish (one deadline
+        for all); on any error or the deadline abort the unfinished."""
         deadline = _Deadline(timeout)
         requests: list[_SyncRequest] = []
         try:
-            for prompt, p, rid in zip(prompts, params, ids, strict=True):
-                requests.append(_SyncRequest(self._conn, self._request(prompt, p, rid)))
-            return [r.result(deadline) for r in requests]
+            for make in makes:
+                requests.append(_SyncRequest(self._conn, make()))
+            for r in requests:
+                r.result(deadline)
+            return requests
         finally:
             for r in requests:
                 self._conn.forget(r.request_id)
@@ -1045,6 +1162,12 @@ class AsyncClient(_ClientBase):
     the event loop each request was made from; one client may serve several loops, one
     after the other or at once). Arguments as for ``Client``."""
 
+    async def _ensure_tokenizer(self, prompt: Prompt) -> None:
+        """Fetch the tokenizer without blocking the event loop (``tokenize`` would)."""
+        if isinstance(prompt, str) and self._tokenizer is None:
+            reply = await _aquery(self._conn, TokenizerQuery, self._timeout)
+            self._tokenizer = self._tokenizer or self._load_tokenizer(reply)
+
     async def _arequest(
         self,
         prompt: Prompt,
@@ -1052,9 +1175,7 @@ class AsyncClient(_ClientBase):
         request_id: str | None,
         streaming: bool = False,
     ) -> _AsyncRequest:
-        if isinstance(prompt, str) and self._tokenizer is None:
-            reply = await _aquery(self._conn, TokenizerQuery, self._timeout)
-            self._tokenizer = self._tokenizer or self._load_tokenizer(reply)
+        await self._ensure_tokenizer(prompt)
         request = self._request(prompt, params, request_id, streaming)
         return _AsyncRequest(self._conn, request)
 
@@ -1092,6 +1213,44 @@ class AsyncClient(_ClientBase):
             return await request.result(deadline)
         finally:
             request.cancel()
+
+    async def embed(
+        self,
+        prompt: Prompt,
+        params: PoolingParams | None = None,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> EmbeddingOutput:
+        """The embedding of one text (or token ids); after ``timeout`` seconds abort it and
+        raise ``TimeoutError``."""
+        out = await self.embed_many([prompt], params, timeout=timeout, request_ids=[request_id])
+        return out[0]
+
+    async def embed_many(
+        self,
+        prompts: Sequence[Prompt],
+        params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        timeout: float | None = None,
+        request_ids: Sequence[str | None] | None = None,
+    ) -> list[EmbeddingOutput]:
+        """Submit every input at once (so they batch); return the embeddings in order."""
+        params = _per_prompt(params, PoolingParams, len(prompts))
+        ids = request_ids or [None] * len(prompts)
+        deadline = _Deadline(timeout)
+        requests: list[_AsyncRequest] = []
+        try:
+            for prompt, p, rid in zip(prompts, params, ids, strict=True):
+                await self._ensure_tokenizer(prompt)
+                request = self._embed_request(prompt, p, rid)
+                requests.append(_AsyncRequest(self._conn, request))
+            for r in requests:
+                await r.result(deadline)
+            return [r.assembly.embedding_output() for r in requests]
+        finally:
+            for r in requests:
+                r.cancel()
 
     async def stats(self, timeout: float = 10.0) -> EngineStats:
         """The scheduler's counters: queues, free blocks, preemptions..."""

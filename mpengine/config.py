@@ -45,6 +45,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_request_bytes: Annotated[int, Meta(ge=1024)] = 4 * MiB
     ring_bytes: Annotated[int, Meta(ge=256 * 1024)] = 8 * MiB
     prefix_caching: bool = True
+    pooling: Literal["auto", "last", "mean", "cls", "none"] = "auto"
     max_waiting_requests: Annotated[int, Meta(ge=1)] = 4096
     max_waiting_tokens: Annotated[int, Meta(ge=1)] = 1 << 20
     client_send_hwm: Annotated[int, Meta(ge=1)] = 1000
@@ -100,8 +101,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
 
 HELP = {
-    "model": "a local Hugging Face model directory, or a built-in tiny model: tiny (Qwen3), "
-    "tiny-llama, tiny-gpt2, small, qwen3-0.6b-shape (Qwen3-0.6B's dimensions, random weights)",
+    "model": "a local Hugging Face model directory, a hub id (org/name) already in the local "
+    "Hugging Face cache (never downloaded), or a built-in tiny model: tiny (Qwen3), tiny-llama, "
+    "tiny-gpt2, small, qwen3-0.6b-shape (Qwen3-0.6B's dimensions, random weights), tiny-bert "
+    "(an encoder: embeddings), tiny-embed (a decoder with last-token pooling: embeddings and "
+    "generation)",
     "tokenizer": "tokenizer directory (default: the model directory)",
     "runtime": "processes: scheduler, executor and output processor as three OS processes; "
     "serial: one process, one loop (debugging, baseline); threads: the three as threads of "
@@ -130,6 +134,10 @@ HELP = {
     "plans and results are bounded to fit, see docs/architecture.md)",
     "prefix_caching": "reuse the KV cache of prompts that share a prefix (automatic prefix "
     "caching by block hash; --no-prefix-caching turns it off)",
+    "pooling": "how embeddings pool hidden states: auto (what the model directory's "
+    "sentence-transformers files say; a base or encoder model without them pools the last "
+    "token or CLS; a causal LM without them does not embed), last, mean, cls, or none (no "
+    "embeddings)",
     "max_waiting_requests": "most requests queued before admission; past it a request fails "
     "at once with an 'overloaded' error",
     "max_waiting_tokens": "most prompt tokens queued before admission ('overloaded' past it)",

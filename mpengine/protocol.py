@@ -39,7 +39,7 @@ from msgspec import Meta
 
 _WIRE = {"array_like": True, "omit_defaults": True, "tag": True, "gc": False}
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # What one request may ask for (checked when a frame is decoded, naming the field).
 MAX_STOP_STRINGS = 64
@@ -57,6 +57,7 @@ PosInt = Annotated[int, Meta(ge=1)]
 Int32 = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Id = Annotated[str, Meta(min_length=1, max_length=256)]
 FinishReason = Literal["stop", "length", "abort", "error"]
+Pooling = Literal["last", "mean", "cls"]
 
 
 class Array(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -175,14 +176,36 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
 
 
 class PoolingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown_fields=True):
-    """How to turn an encoder's hidden states into one embedding."""
+    """How to turn a prompt's hidden states into one embedding (vLLM's ``PoolingParams``).
 
-    pooling: Literal["last", "mean", "cls"] | None = None  # None: the model's default
-    normalize: bool = True
-    dimensions: PosInt | None = None  # Matryoshka truncation
+    ``None`` means the model's default (``pooling`` and ``normalize`` as its
+    sentence-transformers configuration says). ``dimensions`` keeps the first N values
+    (Matryoshka), then normalises. ``truncate_prompt_tokens=K`` keeps the first K tokens of a
+    longer prompt (text is truncated by the tokenizer, special tokens kept); ``-1`` means
+    ``max_model_len``. Without it a prompt longer than the model takes is an error.
+    """
+
+    pooling: Pooling | None = None
+    normalize: bool | None = None
+    dimensions: PosInt | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or >= 1")
 
     def validate(self) -> PoolingParams:
         return msgspec.msgpack.decode(msgspec.msgpack.encode(self), type=PoolingParams)
+
+
+class PoolingInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What a model can pool: its default pooling and normalisation, the embedding size,
+    and whether it is an encoder (bidirectional attention, whole prompts, no KV cache)."""
+
+    pooling: Pooling
+    normalize: bool
+    hidden_size: int
+    is_encoder: bool = False
 
 
 # -- client <-> scheduler ----------------------------------------------------------------
@@ -251,12 +274,17 @@ class EngineInfo(msgspec.Struct, **_WIRE):
     eos_token_ids: list[int]
     runtime: str
     async_depth: int
-    is_embedding: bool = False
+    pooling: PoolingInfo | None = None  # None: the model cannot embed
+    can_generate: bool = True
     request_address: str = ""
     output_address: str = ""
     max_request_bytes: int = 0
     version: str = ""
     protocol_version: int = PROTOCOL_VERSION
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.pooling is not None
 
 
 class RequestError(msgspec.Struct, **_WIRE):
@@ -456,21 +484,6 @@ class StepPlan(msgspec.Struct, **_WIRE):
         return len(self.slots)
 
 
-class ExecutorInfo(msgspec.Struct, **_WIRE):
-    """What the executor reports at start-up: the KV cache geometry and the model's limits."""
-
-    num_blocks: int
-    block_size: int
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: list[int]
-    kv_cache_bytes: int
-    device: str
-    dtype: str
-    model_path: str
-    num_threads: int
-
-
 # -- executor -> output processor (result ring) ------------------------------------------
 
 
@@ -491,7 +504,10 @@ class StepResult(msgspec.Struct, **_WIRE):
     logprobs: Logprobs | None = None  # rows for the seq_ids in logprob_rows
     logprob_rows: Array = EMPTY_IDS  # int32: logprobs row j is for seq_ids[logprob_rows[j]]
     prompt_logprobs: list[PromptLogprobs] = []
-    embeddings: Array | None = None  # [len(seq_ids), hidden] for pooling requests
+    # Pooling requests whose last chunk ran: their embeddings, float32 [len, hidden] (a row
+    # asking for fewer ``dimensions`` has zeros past them).
+    pooled_seq_ids: Array = EMPTY_IDS  # int64
+    embeddings: Array | None = None
     # Sequences that failed in this step (and are finished with ``error``), each with its
     # message; every other scheduled sequence is unaffected.
     failed_seq_ids: Array = EMPTY_IDS  # int64
@@ -542,7 +558,8 @@ class Wiring(msgspec.Struct, **_WIRE):
 
 
 class ModelInfo(msgspec.Struct, **_WIRE):
-    """What the executor learned loading the model; the launcher relays it to the others."""
+    """What the executor learned loading the model (the KV cache geometry, the model's
+    limits and what it can do); the launcher relays it to the other stages."""
 
     model_path: str
     tokenizer_path: str
@@ -555,6 +572,8 @@ class ModelInfo(msgspec.Struct, **_WIRE):
     device: str = "cpu"
     dtype: str = "float32"
     num_threads: int = 1
+    pooling: PoolingInfo | None = None  # None: the model cannot embed
+    can_generate: bool = True
 
 
 class StageReady(msgspec.Struct, **_WIRE):

@@ -1,6 +1,6 @@
-"""The executor stage: model, paged KV cache, sampling. The only stage that imports torch."""
+"""The executor stage: model, paged KV cache, sampling, pooling. The only stage that
+imports torch."""
 
 from mpengine.executor.executor import Executor
-from mpengine.protocol import ExecutorInfo
 
-__all__ = ["Executor", "ExecutorInfo"]
+__all__ = ["Executor"]

@@ -4,7 +4,11 @@ A step, in order: apply the plan's deltas to the per-slot state (host arrays, mi
 the device by :class:`~mpengine.executor.input_batch.InputBatch`), lay the step out on the
 host and move its inputs to the device in one copy, run the model (a captured CUDA graph for
 pure-decode steps on a GPU, eager otherwise), launch sampling with its copy back to the
-host, then wait for the sampled ids.
+host, then wait for the sampled ids; pooling sequences whose last chunk ran get their
+embeddings from the same forward's hidden states (see ``pooler``).
+
+An encoder model (BERT family) has no KV cache: each step computes whole prompts, as a
+padded batch through the model's own attention (``_execute_encoder``).
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from mpengine.executor.attention import BACKENDS, METADATA_KWARG, Backend, defau
 from mpengine.executor.input_batch import InputBatch, StepInputs
 from mpengine.executor.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for
 from mpengine.executor.model_loader import LoadedModel, load_model
+from mpengine.executor.pooler import Pooler, finalize, pool_padded, token_rows
 from mpengine.executor.sampler import PendingSample, Sampler, token_logprobs
 from mpengine.executor.slots import SlotState
 from mpengine.protocol import (
     EMPTY_IDS,
     Array,
-    ExecutorInfo,
+    ModelInfo,
     PromptLogprobs,
     RequestParams,
     StepPlan,
@@ -70,7 +75,9 @@ class Executor:
             block_size=config.block_size,
             dtype=self.loaded.dtype,
         )
-        if self.device.type == "cuda" and config.num_gpu_blocks_override is None:
+        if self.loaded.is_encoder:
+            self.num_blocks = 0  # whole prompts per step: nothing to keep between steps
+        elif self.device.type == "cuda" and config.num_gpu_blocks_override is None:
             from mpengine.executor.gpu_memory import profiled_num_blocks
 
             self.num_blocks = profiled_num_blocks(config, spec, self.loaded, self.backend, memory)
@@ -89,29 +96,51 @@ class Executor:
             self.slots, self.device, config.block_size, self.backend, self.kv_caches
         )
         self.sampler = Sampler(self.device, config.seed)
+        self.pooler: Pooler | None = None
+        # The last hidden state of the step being run, kept by a hook on the base model
+        # while a step pools (a causal LM's forward returns only logits).
+        self._hidden: torch.Tensor | None = None
+        self._keep_hidden = False
+        if self.loaded.pooling is not None and not self.loaded.is_encoder:
+            self.pooler = Pooler(config.num_slots, self.loaded.pooling.hidden_size, self.device)
+            if self.loaded.can_generate:
+                self.model.base_model.register_forward_hook(self._hidden_hook)
         self.graphs = self._capture_graphs()
         self.requests: dict[int, RequestParams] = {}  # by key, from plan to release
         self.fault_steps, self.fault_seqs = fault_steps(), fault_seqs()
         # The last step's phases: (name, perf_counter() when it began), in order, closed by
         # ("end", t). The runtime charges them to the step breakdown (runtime/timing.py).
         self.marks: list[tuple[str, float]] = []
-        self.info = ExecutorInfo(
-            num_blocks=self.num_blocks,
-            block_size=config.block_size,
+        self.info = ModelInfo(
+            model_path=self.loaded.path,
+            tokenizer_path=config.tokenizer or self.loaded.path,
             vocab_size=self.loaded.vocab_size,
             max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks,
+            block_size=config.block_size,
             eos_token_ids=self.loaded.eos_token_ids,
             kv_cache_bytes=self.num_blocks * spec.bytes_per_block,
             device=str(self.device),
             dtype=_DTYPE_NAMES.get(self.loaded.dtype, str(self.loaded.dtype)),
-            model_path=self.loaded.path,
             num_threads=torch.get_num_threads(),
+            pooling=self.loaded.pooling,
+            can_generate=self.loaded.can_generate,
         )
         logger.info("executor ready (%s attention): %s", self.backend, self.info)
 
+    def _hidden_hook(self, module: torch.nn.Module, args: object, output: object) -> None:
+        if self._keep_hidden:
+            self._hidden = output.last_hidden_state[0]  # type: ignore[attr-defined]
+
     def _capture_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs of pure-decode steps (GPU, triton attention, not ``enforce_eager``)."""
-        if self.device.type != "cuda" or self.backend != "triton" or self.config.enforce_eager:
+        """CUDA graphs of pure-decode steps (GPU, triton attention, not ``enforce_eager``,
+        a model that generates)."""
+        if (
+            self.device.type != "cuda"
+            or self.backend != "triton"
+            or self.config.enforce_eager
+            or not self.loaded.can_generate
+        ):
             return None
         from mpengine.executor.cuda_graphs import DecodeGraphs
 
@@ -136,7 +165,10 @@ class Executor:
             self.requests[params.key] = params
         failures: dict[int, str] = {}  # seq id -> why it failed
         try:
-            result = self._execute(plan, failures)
+            if self.loaded.is_encoder:
+                result = self._execute_encoder(plan, failures)
+            else:
+                result = self._execute(plan, failures)
         except Exception as exc:
             logger.exception("step %d failed", plan.step)
             message = f"{type(exc).__name__}: {exc}"
@@ -161,13 +193,7 @@ class Executor:
         self._apply_deltas(plan, failures)
 
         # 2. the step's layout on the host, without the sequences that cannot run
-        slots = plan.slots.numpy().astype(np.int64)
-        starts = plan.starts.numpy().astype(np.int64)
-        num_tokens = plan.num_tokens.numpy().astype(np.int64)
-        sample = plan.sample.numpy().astype(bool)
-        seq_ids = plan.seq_ids.numpy().astype(np.int64)
-        token_ids = plan.token_ids.numpy().astype(np.int64)  # a writable copy
-        self._check_plan(plan, slots, starts, num_tokens, sample, seq_ids)
+        slots, starts, num_tokens, sample, seq_ids, token_ids = self._layout(plan)
         keep = self._runnable(slots, starts, num_tokens, seq_ids, token_ids, failures)
         if not keep.all():
             token_ids = token_ids[np.repeat(keep, num_tokens)]
@@ -178,8 +204,11 @@ class Executor:
         self._record_tokens(slots, starts, num_tokens, token_ids)
 
         # 3. which logits rows are needed (sampling positions, then prompt-logprob positions);
-        # the step's inputs on the device
-        sampling = np.flatnonzero(sample)
+        # the step's inputs on the device. A pooling sequence "samples" when its last chunk
+        # runs: it is pooled instead.
+        pool_kinds = self.slots.pool_kind[slots]
+        pooled = np.flatnonzero(sample & (pool_kinds >= 0))
+        sampling = np.flatnonzero(sample & (pool_kinds < 0))
         sample_rows = first_token[sampling] + num_tokens[sampling] - 1
         prompt_chunks = self._prompt_logprob_chunks(slots, starts, num_tokens, first_token)
         rows_kept = np.concatenate([sample_rows, *(rows for _, _, rows, _ in prompt_chunks)])
@@ -194,7 +223,8 @@ class Executor:
 
         # 4. forward
         self.marks.append(("forward", time.perf_counter()))
-        logits = self._forward(inputs) if inputs is not None else None
+        pools = bool((pool_kinds >= 0).any())
+        logits, hidden = self._forward(inputs, pools) if inputs is not None else (None, None)
 
         # 5. sample, then wait for the ids on the host ("copy": from sampling launched to the
         # ids on the host); remember each sampled token for the slot's next decode
@@ -214,7 +244,21 @@ class Executor:
                 self._collect(pending, result, slots[sampled], synced=bool(ok.all()))
             result.seq_ids = Array.of(seq_ids[sampled], "int64")
 
-        # 6. prompt logprobs, one entry per chunk
+        # 6. pooling: fold the chunks in, finish the sequences whose last chunk ran
+        if pools and hidden is not None:
+            self.marks.append(("pool", time.perf_counter()))
+            first = first_token
+            try:
+                self._pool(result, hidden, pool_kinds, slots, starts, num_tokens, first, pooled)
+            except Exception as exc:
+                logger.exception("pooling failed in step %d", plan.step)
+                for i in np.flatnonzero(pool_kinds >= 0):
+                    failures.setdefault(int(seq_ids[i]), f"{type(exc).__name__}: {exc}")
+                result.pooled_seq_ids, result.embeddings = EMPTY_IDS, None
+            if len(pooled) and result.embeddings is not None:
+                result.pooled_seq_ids = Array.of(seq_ids[pooled], "int64")
+
+        # 7. prompt logprobs, one entry per chunk
         self.marks.append(("finish", time.perf_counter()))
         offset = len(sampling)
         for i, first, rows, num_top in prompt_chunks:
@@ -239,6 +283,12 @@ class Executor:
             except Exception as exc:
                 logger.warning("seq %d cannot start: %r", seq.seq_id, exc)
                 failures[seq.seq_id] = f"{type(exc).__name__}: {exc}"
+        if self.pooler is not None and started:
+            started_slots = np.asarray(started, np.int64)
+            started_slots = started_slots[
+                (started_slots >= 0) & (started_slots < len(self.slots.seq_id))
+            ]
+            self.pooler.reset(started_slots[self.slots.pool_kind[started_slots] >= 0])
         try:
             self._update_block_table(plan)
         finally:
@@ -261,20 +311,118 @@ class Executor:
         resolved = np.where(token_ids < 0, self.slots.last_token[token_slots], token_ids)
         self.slots.record(token_slots[keep], positions[keep], resolved[keep])
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits ``[len(inputs.logits_rows), vocab]``: a captured graph for a pure-decode
-        step that fits one, the model run eagerly otherwise."""
+    def _forward(
+        self, inputs: StepInputs, pools: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Logits ``[len(inputs.logits_rows), vocab]`` (None for a model that only embeds)
+        and, when the step pools, the last hidden state ``[T, hidden]``: a captured graph for
+        a pure-decode step that fits one, the model run eagerly otherwise."""
         metadata = inputs.metadata
-        if self.graphs is not None and self.graphs.fits(metadata):
-            return self.graphs.replay(inputs).index_select(0, inputs.logits_rows)
-        output = self.model(
-            input_ids=inputs.input_ids[None],
-            position_ids=inputs.position_ids[None],
-            use_cache=False,
-            logits_to_keep=inputs.logits_rows,
-            **{METADATA_KWARG: metadata},
-        )
-        return output.logits[0]
+        if not pools and self.graphs is not None and self.graphs.fits(metadata):
+            return self.graphs.replay(inputs).index_select(0, inputs.logits_rows), None
+        kwargs = {
+            "input_ids": inputs.input_ids[None],
+            "position_ids": inputs.position_ids[None],
+            "use_cache": False,
+            METADATA_KWARG: metadata,
+        }
+        if not self.loaded.can_generate:  # a base model: hidden states only
+            return None, self.model(**kwargs).last_hidden_state[0]
+        self._hidden, self._keep_hidden = None, pools
+        try:
+            output = self.model(logits_to_keep=inputs.logits_rows, **kwargs)
+        finally:
+            self._keep_hidden = False
+        hidden, self._hidden = self._hidden, None
+        return output.logits[0], hidden
+
+    def _pool(
+        self,
+        result: StepResult,
+        hidden: torch.Tensor,
+        kinds: np.ndarray,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        num_tokens: np.ndarray,
+        first_token: np.ndarray,
+        pooled: np.ndarray,
+    ) -> None:
+        """Fold the step's pooling chunks into their slots; put the finished sequences'
+        embeddings (plan indices ``pooled``) in ``result``."""
+        assert self.pooler is not None
+        self.pooler.accumulate(hidden, kinds, slots, starts, num_tokens, first_token)
+        if not len(pooled):
+            return
+        lengths = starts[pooled] + num_tokens[pooled]
+        last_rows = first_token[pooled] + num_tokens[pooled] - 1
+        vectors = self.pooler.finish(hidden, kinds[pooled], slots[pooled], last_rows, lengths)
+        result.embeddings = self._finalize(vectors, slots[pooled])
+
+    def _finalize(self, vectors: torch.Tensor, slots: np.ndarray) -> Array:
+        dims = self.slots.pool_dims[slots]
+        dims = np.where(dims > 0, dims, vectors.shape[1])
+        return Array.of(finalize(vectors, self.slots.pool_normalize[slots], dims), "float32")
+
+    @torch.inference_mode()
+    def _execute_encoder(self, plan: StepPlan, failures: dict[int, str]) -> StepResult:
+        """An encoder's step: every scheduled sequence is a whole prompt (no KV cache to
+        continue from), run as padded batches of similar lengths, then pooled."""
+        self._apply_deltas(plan, failures)
+        slots, starts, num_tokens, sample, seq_ids, token_ids = self._layout(plan)
+        keep = self._runnable(slots, starts, num_tokens, seq_ids, token_ids, failures)
+        whole = (starts == 0) & (num_tokens == self.slots.num_prompt[slots]) & sample
+        whole &= self.slots.pool_kind[slots] >= 0
+        for i in np.flatnonzero(keep & ~whole):
+            failures[int(seq_ids[i])] = "an encoder model computes whole prompts, in one step"
+        token_ids = token_ids[np.repeat(keep & whole, num_tokens)]
+        keep &= whole
+        slots, num_tokens, seq_ids = slots[keep], num_tokens[keep], seq_ids[keep]
+        result = StepResult(step=plan.step, seq_ids=Array.of([], "int64"), token_ids=EMPTY_IDS)
+        if not len(slots):
+            return result
+        if plan.step in self.fault_steps:
+            raise InjectedFault(f"injected failure of step {plan.step} (MPENGINE_FAULT_STEPS)")
+        self.marks.append(("forward", time.perf_counter()))
+        vectors = self._encode(token_ids, num_tokens, self.slots.pool_kind[slots])
+        self.marks.append(("pool", time.perf_counter()))
+        result.embeddings = self._finalize(vectors, slots)
+        result.pooled_seq_ids = Array.of(seq_ids, "int64")
+        self.marks.append(("finish", time.perf_counter()))
+        return result
+
+    def _encode(
+        self, token_ids: np.ndarray, lengths: np.ndarray, kinds: np.ndarray
+    ) -> torch.Tensor:
+        """Pooled vectors ``[B, hidden]`` of the prompts ``token_ids`` (concatenated, of
+        ``lengths``), in order. Sorted by length and cut into batches that waste at most a
+        quarter of their tokens on padding."""
+        order = np.argsort(lengths, kind="stable")
+        offsets = np.cumsum(lengths) - lengths
+        out = torch.empty(len(lengths), self.loaded.pooling.hidden_size, device=self.device)
+        groups: list[list[int]] = [[]]
+        for i in order:  # ascending: the newest is the longest of its group
+            group = groups[-1]
+            tokens = sum(int(lengths[j]) for j in group) + int(lengths[i])
+            if group and (len(group) + 1) * int(lengths[i]) * 3 > tokens * 4:
+                groups.append([])
+            groups[-1].append(int(i))
+        for group in groups:
+            index = np.asarray(group)
+            width = int(lengths[index].max())
+            mask = np.arange(width)[None, :] < lengths[index][:, None]
+            ids = np.zeros((len(index), width), np.int64)
+            ids[mask] = token_ids[token_rows(offsets[index], lengths[index])]
+            ids_t = torch.from_numpy(ids).to(self.device)
+            mask_t = torch.from_numpy(mask).to(self.device)
+            hidden = self.model(
+                input_ids=ids_t,
+                attention_mask=mask_t.long(),
+                token_type_ids=torch.zeros_like(ids_t),
+            ).last_hidden_state
+            lens_t = torch.from_numpy(lengths[index]).to(self.device)
+            pooled = pool_padded(hidden, mask_t, lens_t, kinds[index])
+            out.index_copy_(0, torch.from_numpy(index).to(self.device), pooled)
+        return out
 
     def _sample(
         self, logits: torch.Tensor, slots: np.ndarray, contexts: np.ndarray
@@ -370,6 +518,17 @@ class Executor:
         if ids.min() < 0 or ids.max() >= self.num_blocks:
             raise ValueError(f"block id out of range [0, {self.num_blocks})")
         table[slots, indices] = ids
+
+    def _layout(self, plan: StepPlan) -> tuple[np.ndarray, ...]:
+        """The plan's per-sequence arrays as writable host copies (slots, starts, token
+        counts, sample flags, seq ids, then the flat token ids), checked for shape."""
+        slots = plan.slots.numpy().astype(np.int64)
+        starts = plan.starts.numpy().astype(np.int64)
+        num_tokens = plan.num_tokens.numpy().astype(np.int64)
+        sample = plan.sample.numpy().astype(bool)
+        seq_ids = plan.seq_ids.numpy().astype(np.int64)
+        self._check_plan(plan, slots, starts, num_tokens, sample, seq_ids)
+        return slots, starts, num_tokens, sample, seq_ids, plan.token_ids.numpy().astype(np.int64)
 
     def _check_plan(
         self,

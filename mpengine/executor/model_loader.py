@@ -1,24 +1,40 @@
-"""Load a Hugging Face causal LM for paged execution and check that it fits the design.
+"""Load a Hugging Face model for execution and check that it fits the design.
 
-The model code stays upstream's: only the attention implementation is swapped for
-:data:`~mpengine.executor.attention.ATTENTION_NAME`. What the paged path cannot reproduce
-exactly is rejected here, at start-up, with a message that says what to change.
+Three kinds: a causal LM (generates; embeds too when its directory declares pooling or
+``--pooling`` says how), a decoder base model (``Qwen3Model``: embeds only), both run paged
+with :data:`~mpengine.executor.attention.ATTENTION_NAME` swapped in; and an encoder (BERT
+family: embeds only), run with upstream attention over padded batches of whole prompts, no
+KV cache. The model code stays upstream's. What the engine cannot reproduce exactly is
+rejected here, at start-up, with a message that says what to change.
+
+Pooling is read where sentence-transformers writes it: ``modules.json`` lists the modules
+(a ``Pooling`` module's ``config.json`` names the mode, a ``Normalize`` module normalises),
+``sentence_bert_config.json`` the longest input.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PretrainedConfig,
+)
 from transformers.utils import logging as hf_logging
 
 from mpengine.config import EngineConfig
 from mpengine.executor.attention import ATTENTION_NAME, register_attention
+from mpengine.protocol import Pooling, PoolingInfo
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +58,12 @@ class LoadedModel:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    pooling: PoolingInfo | None = None  # None: cannot embed
+    can_generate: bool = True
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.pooling is not None and self.pooling.is_encoder
 
 
 def resolve_model_path(name: str) -> str:
@@ -105,37 +127,44 @@ def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) 
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
-    """Load ``config.model`` with the paged attention function and validate it."""
+    """Load ``config.model`` (paged attention for decoders) and validate it."""
     path = resolve_model_path(config.model)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")
     hf_config = AutoConfig.from_pretrained(path)
     text_config = hf_config.get_text_config()
-    _reject_unsupported(hf_config)
-    max_model_len = _max_model_len(config, text_config)
+    kind = _model_kind(hf_config)
+    declared = sentence_transformers_pooling(path)
+    max_model_len = _max_model_len(config, text_config, declared.max_seq_length)
     _check_rope(text_config, max_model_len)
     _check_sliding_window(text_config, max_model_len)
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, text_config, device)
-    register_attention()
     hf_logging.disable_progress_bar()  # the stage logs its own one-line summary
-    model = AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation=ATTENTION_NAME, dtype=dtype
-    )
+    if kind == "encoder":
+        # Upstream attention (SDPA) with a padding mask: bidirectional, no KV cache.
+        model = AutoModel.from_pretrained(path, attn_implementation="sdpa", dtype=dtype)
+    else:
+        register_attention()
+        auto_class = AutoModelForCausalLM if kind == "causal" else AutoModel
+        model = auto_class.from_pretrained(path, attn_implementation=ATTENTION_NAME, dtype=dtype)
     model.to(device).eval()
 
+    pooling = _pooling_info(config, kind, declared, text_config.hidden_size)
     num_heads = text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
-    vocab_size = model.get_output_embeddings().weight.shape[0]
+    output = model.get_output_embeddings() if kind == "causal" else None
+    vocab_size = (output or model.get_input_embeddings()).weight.shape[0]
     logger.info(
-        "loaded %s (%s) on %s as %s, max_model_len %d",
+        "loaded %s (%s) on %s as %s, max_model_len %d, pooling %s",
         path,
         type(model).__name__,
         device,
         dtype,
         max_model_len,
+        pooling,
     )
     return LoadedModel(
         model=model,
@@ -144,37 +173,132 @@ def load_model(config: EngineConfig) -> LoadedModel:
         dtype=dtype,
         max_model_len=max_model_len,
         vocab_size=vocab_size,
-        eos_token_ids=_eos_token_ids(path, text_config),
+        eos_token_ids=_eos_token_ids(path, text_config) if kind == "causal" else [],
         num_layers=text_config.num_hidden_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
+        pooling=pooling,
+        can_generate=kind == "causal",
     )
 
 
-def _reject_unsupported(hf_config: PretrainedConfig) -> None:
-    """Only decoder-only causal LMs: the checkpoint's architecture must be a causal LM head
-    (a ``BertModel`` checkpoint has a causal-LM class in transformers, but is an encoder)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def _model_kind(hf_config: PretrainedConfig) -> str:
+    """``causal`` (a causal LM head), ``decoder`` (a decoder's base model, such as
+    ``Qwen3Model``: embeddings only) or ``encoder`` (BERT family); anything else is refused.
+    The checkpoint's architecture decides: a ``BertModel`` checkpoint has a causal-LM class
+    in transformers, but is an encoder."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        MODEL_MAPPING_NAMES,
+    )
 
     model_type = hf_config.model_type
     if getattr(hf_config, "is_encoder_decoder", False):
         raise NotImplementedError(f"encoder-decoder models ({model_type}) are not supported")
     architectures = getattr(hf_config, "architectures", None) or []
-    causal_heads = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    is_causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
-        not architectures or any(arch in causal_heads for arch in architectures)
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        causal_heads = {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)}
+        if not any(arch in causal_heads for arch in architectures):
+            return "encoder"
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        causal_heads = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        if not architectures or any(arch in causal_heads for arch in architectures):
+            return "causal"
+        if MODEL_MAPPING_NAMES.get(model_type) in architectures:
+            return "decoder"
+    raise NotImplementedError(
+        f"{model_type!r} ({', '.join(architectures) or 'no architecture'}) is neither a "
+        "causal language model, a decoder base model nor a BERT-family encoder"
     )
-    if not is_causal:
-        raise NotImplementedError(
-            f"{model_type!r} ({', '.join(architectures) or 'no architecture'}) is not a causal "
-            "language model: encoder (pooling) models are not supported by the executor yet"
-        )
 
 
-def _max_model_len(config: EngineConfig, text_config: PretrainedConfig) -> int:
+@dataclass(frozen=True, slots=True)
+class DeclaredPooling:
+    """What a sentence-transformers model directory says (all None when it says nothing)."""
+
+    pooling: Pooling | None = None
+    normalize: bool | None = None
+    max_seq_length: int | None = None
+
+
+# sentence-transformers' pooling modes (flags and the newer single name) -> ours.
+_ST_MODES: dict[str, Pooling] = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_lasttoken": "last",
+    "cls": "cls",
+    "mean": "mean",
+    "lasttoken": "last",
+}
+
+
+def sentence_transformers_pooling(path: str) -> DeclaredPooling:
+    """Read ``modules.json`` and the files it points to. Modules this engine cannot apply
+    (a ``Dense`` projection, max pooling) are refused rather than silently skipped."""
+    root = Path(path)
+    try:
+        modules = json.loads((root / "modules.json").read_text())
+    except FileNotFoundError:
+        return DeclaredPooling()
+    pooling: Pooling | None = None
+    normalize = False
+    for module in modules:
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            continue
+        if kind == "Normalize":
+            normalize = True
+        elif kind == "Pooling":
+            settings = json.loads((root / module.get("path", "") / "config.json").read_text())
+            modes = [m for k, m in _ST_MODES.items() if settings.get(k) is True]
+            if isinstance(settings.get("pooling_mode"), str):
+                modes.append(_ST_MODES.get(settings["pooling_mode"], settings["pooling_mode"]))
+            if len(set(modes)) != 1 or modes[0] not in ("cls", "mean", "last"):
+                raise NotImplementedError(
+                    f"{root / module.get('path', '')}: pooling {settings} is not supported "
+                    "(one of CLS, mean or last-token pooling is)"
+                )
+            pooling = modes[0]
+        else:
+            raise NotImplementedError(
+                f"{root / 'modules.json'}: the module {module.get('type')!r} is not supported "
+                "(Transformer, Pooling and Normalize are)"
+            )
+    max_seq_length = None
+    with contextlib.suppress(FileNotFoundError):
+        bert_config = json.loads((root / "sentence_bert_config.json").read_text())
+        max_seq_length = bert_config.get("max_seq_length")
+    return DeclaredPooling(pooling, normalize if pooling else None, max_seq_length)
+
+
+def _pooling_info(
+    config: EngineConfig, kind: str, declared: DeclaredPooling, hidden_size: int
+) -> PoolingInfo | None:
+    """How the model embeds: ``config.pooling`` when set, else what its directory declares,
+    else the kind's convention (decoder base models: last token; encoders: CLS). A causal
+    LM that declares nothing embeds only when ``--pooling`` says how."""
+    pooling = config.pooling if config.pooling != "auto" else declared.pooling
+    if pooling == "none":
+        return None
+    if pooling is None:
+        if kind == "causal":
+            return None
+        pooling = "last" if kind == "decoder" else "cls"
+    normalize = declared.normalize if declared.normalize is not None else True
+    return PoolingInfo(pooling, normalize, hidden_size, is_encoder=kind == "encoder")
+
+
+def _max_model_len(
+    config: EngineConfig, text_config: PretrainedConfig, declared: int | None = None
+) -> int:
+    """``config.max_model_len``, checked against the model's positions; by default those
+    positions, or less where sentence-transformers declares a shorter input."""
     supported = getattr(text_config, "max_position_embeddings", None) or getattr(
         text_config, "n_positions", None
     )
+    if config.max_model_len is None and declared:
+        return int(min(declared, supported or declared))
     if config.max_model_len is None:
         if supported is None:
             raise ValueError("the model states no maximum length: set max_model_len")

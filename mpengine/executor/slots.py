@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpengine.executor.pooler import KINDS
 from mpengine.executor.sampler import SamplingRows, draw_seed
 from mpengine.protocol import RequestParams, SamplingParams, SeqStart
 
@@ -51,6 +52,11 @@ class SlotState:
         self.min_tokens = np.zeros(num_slots, np.int64)
         self.logprobs = np.full(num_slots, -1, np.int32)
         self.prompt_logprobs = np.full(num_slots, -1, np.int32)
+        # Pooling sequences: the kind (pooler.KINDS; -1 for a sequence that samples), whether
+        # to normalise, how many dimensions to keep.
+        self.pool_kind = np.full(num_slots, -1, np.int8)
+        self.pool_normalize = np.zeros(num_slots, bool)
+        self.pool_dims = np.zeros(num_slots, np.int64)
         # Per slot, Python objects: only read for the few sequences that need them.
         self.suppressed_ids: list[np.ndarray] = [_NO_STOP_IDS] * num_slots
         self.prompt_token_ids: list[np.ndarray | None] = [None] * num_slots
@@ -59,15 +65,30 @@ class SlotState:
 
     def start(self, seq: SeqStart, request: RequestParams) -> None:
         """Reset ``seq.slot`` for a new sequence (or a recomputed one) of ``request``."""
-        if request.pooling is not None or request.sampling is None:
-            raise NotImplementedError("pooling requests are not supported by this executor yet")
         if not 0 <= seq.slot < self.num_slots:
             raise ValueError(f"slot {seq.slot} out of range [0, {self.num_slots})")
-        s, p = seq.slot, request.sampling
+        s = seq.slot
         self.seq_id[s] = -1  # until the start is complete
         self.block_table[s] = -1
         self.last_token[s] = -1
         self.num_prompt[s] = request.num_prompt_tokens
+        pooling = request.pooling
+        if pooling is not None:
+            # The scheduler resolved the model's defaults: every field is set.
+            if pooling.pooling is None or pooling.normalize is None:
+                raise ValueError("pooling parameters reach the executor unresolved")
+            self.pool_kind[s] = KINDS[pooling.pooling]
+            self.pool_normalize[s] = pooling.normalize
+            self.pool_dims[s] = pooling.dimensions or 0
+            self.has_penalties[s] = False
+            self.logprobs[s] = self.prompt_logprobs[s] = -1
+            self.prompt_token_ids[s] = None
+            self.seq_id[s] = seq.seq_id
+            return
+        if request.sampling is None:
+            raise ValueError("a request needs sampling or pooling parameters")
+        p = request.sampling
+        self.pool_kind[s] = -1
         self.sample_index[s] = seq.sample_index
         self.temperature[s] = p.temperature
         self.top_k[s] = p.top_k

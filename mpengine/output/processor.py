@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from struct import Struct
 
 import msgspec
+import numpy as np
 
 from mpengine.output.detokenizer import Detokenizer, DetokenizerStream
 from mpengine.output.logprobs import concat_logprobs, join_logprobs, logprob_row
@@ -180,8 +181,6 @@ class OutputProcessor:
         # 3. sampled tokens
         seq_ids = result.seq_ids.numpy().tolist()
         token_ids = result.token_ids.numpy().tolist()
-        if result.embeddings is not None and not token_ids:  # a pooling step samples nothing
-            token_ids = [-1] * len(seq_ids)
         logprobs = result.logprobs
         rows: dict[int, int] = {}
         if logprobs is not None:
@@ -194,26 +193,31 @@ class OutputProcessor:
             if seq is None:  # finished, aborted or dropped: this token is never visible
                 continue
             request = seq.request
-            if seq.stream is None:
-                delta = self._embedding(seq, result, pos, now)
-            else:
-                accepted_seqs.append(seq_id)
-                accepted_tokens.append(token_id)
-                delta = self._on_token(seq, token_id, now)
-                num_top = request.num_logprobs
-                if logprobs is not None and pos in rows:
-                    if num_top is not None:
-                        delta.logprobs = logprob_row(logprobs, rows[pos], num_top)
-                    if request.ranked is not None:
-                        seq.cumulative_logprob += logprobs.logprobs.numpy()[rows[pos]].item()
-                if request.prompt_logprobs_due and seq.index == 0:
-                    self._attach_prompt_logprobs(seq, delta)
+            accepted_seqs.append(seq_id)
+            accepted_tokens.append(token_id)
+            delta = self._on_token(seq, token_id, now)
+            num_top = request.num_logprobs
+            if logprobs is not None and pos in rows:
+                if num_top is not None:
+                    delta.logprobs = logprob_row(logprobs, rows[pos], num_top)
+                if request.ranked is not None:
+                    seq.cumulative_logprob += logprobs.logprobs.numpy()[rows[pos]].item()
+            if request.prompt_logprobs_due and seq.index == 0:
+                self._attach_prompt_logprobs(seq, delta)
             if delta.finish_reason is not None:
                 finished_ids.append(seq_id)
                 reasons.append(delta.finish_reason)
             outputs += self._emit(seq, delta)
 
-        # 4. feedback
+        # 4. embeddings (the scheduler finished those sequences when it planned them)
+        if result.embeddings is not None:
+            vectors = result.embeddings.numpy()
+            for row, seq_id in enumerate(result.pooled_seq_ids.numpy().tolist()):
+                seq = seqs.get(seq_id)
+                if seq is not None:
+                    outputs += self._emit(seq, self._embedding(seq, vectors[row], now))
+
+        # 5. feedback
         feedback = Feedback(
             step=result.step,
             seq_ids=Array("int64", (len(accepted_seqs),), array("q", accepted_seqs).tobytes()),
@@ -302,17 +306,13 @@ class OutputProcessor:
             self._attach_prompt_logprobs(seq, delta)
         return delta
 
-    def _embedding(self, seq: _Sequence, result: StepResult, pos: int, now: float) -> OutputDelta:
-        """A pooling request ends with its one embedding row."""
+    def _embedding(self, seq: _Sequence, vector: np.ndarray, now: float) -> OutputDelta:
+        """A pooling request ends with its one embedding, cut to its ``dimensions``."""
         seq.first_token_time = now
         delta = self._finish(seq, "stop", None, now, "")
-        embeddings = result.embeddings
-        if embeddings is not None and len(embeddings.shape) == 2:
-            width = embeddings.shape[1]
-            size = len(embeddings.data) // max(1, embeddings.shape[0])
-            delta.embedding = Array(
-                embeddings.dtype, (width,), embeddings.data[pos * size : (pos + 1) * size]
-            )
+        pooling = seq.request.msg.pooling
+        dims = (pooling.dimensions if pooling is not None else None) or len(vector)
+        delta.embedding = Array("float32", (dims,), vector[:dims].tobytes())
         return delta
 
     def _emit(self, seq: _Sequence, delta: OutputDelta) -> list[Output]:

@@ -85,6 +85,8 @@ def engine_info(config: EngineConfig, model: ModelInfo, wiring: Wiring) -> Engin
         output_address=advertised(wiring.output_address, config.advertise_host),
         max_request_bytes=config.max_request_bytes,
         version=__version__,
+        pooling=model.pooling,
+        can_generate=model.can_generate,
     )
 
 
@@ -95,23 +97,6 @@ def request_edge(config: EngineConfig, wiring: Wiring) -> Edge:
 def output_edge(config: EngineConfig, wiring: Wiring) -> Edge:
     """Clients only greet this edge: small frames in, their outputs out."""
     return Edge(wiring.output_address, GREETING_BYTES, config.client_send_hwm, config.auth_token)
-
-
-def model_info(config: EngineConfig, executor) -> ModelInfo:
-    info = executor.info
-    return ModelInfo(
-        model_path=info.model_path,
-        tokenizer_path=config.tokenizer or info.model_path,
-        vocab_size=info.vocab_size,
-        max_model_len=info.max_model_len,
-        num_blocks=info.num_blocks,
-        block_size=info.block_size,
-        eos_token_ids=list(info.eos_token_ids),
-        kv_cache_bytes=info.kv_cache_bytes,
-        device=str(info.device),
-        dtype=str(info.dtype),
-        num_threads=info.num_threads,
-    )
 
 
 # -- what connects the loops ---------------------------------------------------------------
@@ -335,7 +320,7 @@ def run_executor(config: EngineConfig, wiring: Wiring, control: Control, stop: S
     results = Link.ring(wiring.result_ring)
     done = Lockstep.attach(wiring.lockstep)  # read, never waited on
     trace = Trace.open(config.trace, EXECUTOR)
-    control.ready(model_info(config, executor))
+    control.ready(executor.info)
     try:
         clock = Clock([EXECUTOR], trace)
         executor_loop(executor, plans=plans, results=results, done=done, clock=clock, stop=stop)
@@ -351,7 +336,7 @@ def run_scheduler(config: EngineConfig, wiring: Wiring, control: Control, stop: 
     from mpengine.scheduler import Scheduler
 
     model = control.wait_model(config.startup_timeout)
-    scheduler = Scheduler(config, model.num_blocks, model.vocab_size, model.max_model_len)
+    scheduler = Scheduler.for_model(config, model)
     plans = Link.ring(wiring.plan_ring)
     announces = Link.ring(wiring.announce_ring)
     feedbacks = Link.ring(wiring.feedback_ring, feedback_decoder())

@@ -16,7 +16,6 @@ from mpengine.runtime.front import FrontDoor, OutputDoor
 from mpengine.runtime.processes import (
     POLL_S,
     engine_info,
-    model_info,
     output_edge,
     request_edge,
 )
@@ -32,8 +31,8 @@ def run_serial(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
     from mpengine.scheduler import Scheduler
 
     executor = Executor(config)
-    model = model_info(config, executor)
-    scheduler = Scheduler(config, model.num_blocks, model.vocab_size, model.max_model_len)
+    model = executor.info
+    scheduler = Scheduler.for_model(config, model)
     processor = OutputProcessor(model.tokenizer_path, model.eos_token_ids)
     trace = Trace.open(config.trace, "engine")
     clock = Clock(STAGES, trace)

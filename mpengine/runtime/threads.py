@@ -30,7 +30,6 @@ from mpengine.runtime.processes import (
     Link,
     engine_info,
     executor_loop,
-    model_info,
     output_edge,
     output_loop,
     request_edge,
@@ -106,8 +105,8 @@ def run_threads(config: EngineConfig, wiring: Wiring, control: Control, stop: St
     from mpengine.scheduler import Scheduler
 
     executor = Executor(config)
-    model = model_info(config, executor)
-    scheduler = Scheduler(config, model.num_blocks, model.vocab_size, model.max_model_len)
+    model = executor.info
+    scheduler = Scheduler.for_model(config, model)
     processor = OutputProcessor(model.tokenizer_path, model.eos_token_ids)
     plans, results, feedbacks, announces = (queue_link() for _ in range(4))
     done = Counter()

@@ -53,7 +53,7 @@ SCHEDULER, EXECUTOR, OUTPUT = "scheduler", "executor", "output"
 STAGES = (SCHEDULER, EXECUTOR, OUTPUT)
 MAX_TRACE_EVENTS = 200_000
 # The executor phases that make its duty (the device's share of the step).
-DUTY_PHASES = ("forward", "sample")
+DUTY_PHASES = ("forward", "sample", "pool")
 
 _TRACK_IDS = {stage: i for i, stage in enumerate(STAGES, 1)}
 _TRACE_HEAD = b'{"displayTimeUnit":"ms","traceEvents":['

@@ -48,9 +48,9 @@ def chain_hashes(
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, caching: bool = False) -> None:
-        if num_blocks < 1 or block_size < 1:
+        if num_blocks < 0 or block_size < 1:  # 0 blocks: an encoder, no KV cache
             raise ValueError(
-                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+                f"need num_blocks >= 0 and block_size >= 1, got {num_blocks}, {block_size}"
             )
         self.num_blocks = num_blocks
         self.block_size = block_size

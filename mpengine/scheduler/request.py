@@ -62,6 +62,8 @@ class Sequence:
 
     def wants_tokens(self) -> bool:
         """Whether a step could compute something for it now."""
+        if self.request.pooling is not None:
+            return self.num_computed < len(self)  # a prompt, computed to its last token
         if self.num_computed < len(self) - 1:
             return True  # prompt or recompute left
         return self.num_computed == len(self) - 1 and self.num_outputs < self.request.max_tokens

@@ -17,6 +17,11 @@ One token-budget model, no prefill or decode phases: each running sequence catch
 Under async depth 1 the plan for step ``s`` is built before step ``s - 1``'s feedback: a
 decoding sequence is assumed to gain its in-flight token (``num_inflight``), and one that
 in fact finished there wastes one slot of one step; the output processor drops that token.
+
+Pooling (embedding) requests are prompts only, scheduled beside generation under the same
+budget: the plan marks their last chunk as "sample" (the executor pools it instead) and
+the sequence finishes right there; its blocks are freed once that step is processed. An
+encoder model has no KV cache: its prompts are scheduled whole, in one step each.
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ from mpengine.protocol import (
     Announcement,
     Array,
     Feedback,
+    ModelInfo,
     NewRequest,
+    PoolingInfo,
+    PoolingParams,
     RequestParams,
     SamplingParams,
     SeqStart,
@@ -66,8 +74,17 @@ class Scheduler:
     aborting: ClassVar[bool] = False
 
     def __init__(
-        self, config: EngineConfig, num_blocks: int, vocab_size: int, max_model_len: int
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        vocab_size: int,
+        max_model_len: int,
+        pooling: PoolingInfo | None = None,
+        can_generate: bool = True,
     ) -> None:
+        self.pooling = pooling  # None: the model cannot embed
+        self.can_generate = can_generate
+        self.encoder = pooling is not None and pooling.is_encoder  # whole prompts, no blocks
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -75,7 +92,8 @@ class Scheduler:
         self.max_waiting_requests = config.max_waiting_requests
         self.max_waiting_tokens = config.max_waiting_tokens
         self.limits = FrameLimits.derive(config, max_model_len)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
+        caching = config.prefix_caching and not self.encoder
+        self.blocks = BlockManager(num_blocks, config.block_size, caching)
         self.free_slots = deque(range(config.num_slots))
         self.requests: dict[tuple[str, str], Request] = {}  # by (client id, request id)
         self.num_waiting_requests = 0  # the queue also holds aborted ones, skipped later
@@ -107,6 +125,17 @@ class Scheduler:
             0,
         )
 
+    @classmethod
+    def for_model(cls, config: EngineConfig, model: ModelInfo) -> Scheduler:
+        return cls(
+            config,
+            model.num_blocks,
+            model.vocab_size,
+            model.max_model_len,
+            model.pooling,
+            model.can_generate,
+        )
+
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, req: AddRequest, client_id: str) -> None:
@@ -117,12 +146,14 @@ class Scheduler:
             )
         if (client_id, req.request_id) in self.requests:
             raise RequestRejected(f"request id {req.request_id!r} is already in use")
-        if req.pooling is not None:
-            raise RequestRejected("this engine serves a generative model; pooling not supported")
         prompt = req.prompt_token_ids.numpy()
-        sampling = req.sampling
-        assert sampling is not None
-        max_tokens = self._check(prompt, sampling)
+        sampling, pooling = req.sampling, req.pooling
+        if pooling is not None:
+            pooling, prompt = self._check_pooling(prompt, pooling)
+            max_tokens = 0
+        else:
+            assert sampling is not None
+            max_tokens = self._check(prompt, sampling)
         if self.num_waiting_requests >= self.max_waiting_requests:
             raise RequestRejected(
                 f"overloaded: {self.num_waiting_requests} requests are waiting "
@@ -141,13 +172,13 @@ class Scheduler:
             request_id=req.request_id,
             client_id=client_id,
             prompt_token_ids=prompt.tolist(),
-            sampling=sampling,
-            pooling=None,
+            sampling=sampling if pooling is None else None,
+            pooling=pooling,
             arrival_time=req.arrival_time or time.time(),
             max_tokens=max_tokens,
         )
         self._next_key += 1
-        for index in range(sampling.num_samples):
+        for index in range(1 if sampling is None else sampling.num_samples):
             seq = Sequence(self._next_seq_id, request, index, list(request.prompt_token_ids))
             self._next_seq_id += 1
             request.seqs.append(seq)
@@ -158,18 +189,11 @@ class Scheduler:
         self.waiting.append(request)
         self.num_waiting_requests += 1
         self.num_waiting_tokens += len(prompt)
-        logger.debug("queued %s: %d prompt tokens, n=%d", req.request_id, len(prompt), sampling.n)
+        logger.debug("queued %s: %d prompt tokens", req.request_id, len(prompt))
 
-    def _check(self, prompt: np.ndarray, sampling: SamplingParams) -> int:
-        """Reject what this engine cannot serve; return ``max_tokens`` capped so prompt and
-        output fit ``max_model_len``. (Sizes the protocol bounds are already checked.)"""
+    def _check_tokens(self, prompt: np.ndarray) -> None:
         if len(prompt) == 0:
             raise RequestRejected("the prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            raise RequestRejected(
-                f"the prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len} "
-                "and at least one must be left to generate"
-            )
         low, high = int(prompt.min()), int(prompt.max())
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high
@@ -177,6 +201,67 @@ class Scheduler:
                 f"prompt_token_ids: token id {bad} is outside the vocabulary "
                 f"(0..{self.vocab_size - 1})"
             )
+
+    def _check_pooling(
+        self, prompt: np.ndarray, params: PoolingParams
+    ) -> tuple[PoolingParams, np.ndarray]:
+        """Reject an embedding request this engine cannot serve; return its parameters with
+        the model's defaults filled in, and its prompt (truncated when it asks to be)."""
+        model = self.pooling
+        if model is None:
+            raise RequestRejected(
+                "this model cannot embed: it declares no pooling (no sentence-transformers "
+                "modules.json); start the engine with --pooling last|mean|cls to embed with it"
+            )
+        limit = params.truncate_prompt_tokens
+        if limit is not None:
+            limit = self.max_model_len if limit == -1 else min(limit, self.max_model_len)
+            prompt = prompt[:limit]
+        self._check_tokens(prompt)
+        if len(prompt) > self.max_model_len:
+            raise RequestRejected(
+                f"the input has {len(prompt)} tokens; this model takes at most "
+                f"{self.max_model_len} (truncate_prompt_tokens=-1 truncates it)"
+            )
+        if self.encoder and len(prompt) > self.max_num_batched_tokens:
+            raise RequestRejected(
+                f"the input has {len(prompt)} tokens; an encoder computes a prompt in one "
+                f"step and max_num_batched_tokens is {self.max_num_batched_tokens}",
+                "too_large",
+            )
+        if params.dimensions is not None and params.dimensions > model.hidden_size:
+            raise RequestRejected(
+                f"pooling.dimensions ({params.dimensions}) exceeds the model's embedding size "
+                f"({model.hidden_size})"
+            )
+        pooling = params.pooling or model.pooling
+        if pooling == "cls" and not model.is_encoder:
+            raise RequestRejected(
+                "pooling.pooling 'cls' needs an encoder model: the first token of a causal "
+                "model attends to nothing but itself (use 'last' or 'mean')"
+            )
+        if not self.encoder and self.blocks.blocks_for(len(prompt)) > self.blocks.num_blocks:
+            raise RequestRejected(
+                f"the KV cache ({self.blocks.num_blocks} blocks) cannot hold this request",
+                "too_large",
+            )
+        normalize = model.normalize if params.normalize is None else params.normalize
+        resolved = PoolingParams(pooling, normalize, params.dimensions)
+        return resolved, prompt
+
+    def _check(self, prompt: np.ndarray, sampling: SamplingParams) -> int:
+        """Reject what this engine cannot serve; return ``max_tokens`` capped so prompt and
+        output fit ``max_model_len``. (Sizes the protocol bounds are already checked.)"""
+        if not self.can_generate:
+            raise RequestRejected(
+                "this model only embeds (it has no language-model head): send embedding requests"
+            )
+        if len(prompt) >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len} "
+                "and at least one must be left to generate"
+            )
+        self._check_tokens(prompt)
         for token_id in sampling.stop_token_ids:
             if token_id >= self.vocab_size:
                 raise RequestRejected(
@@ -264,9 +349,11 @@ class Scheduler:
             assert seq.num_inflight >= 0, f"seq {seq_id}: more tokens than planned"
         for seq_id, reason in zip(feedback.finished_seq_ids, feedback.finish_reasons, strict=True):
             seq = self.seqs.get(seq_id)
-            if seq is not None and not seq.finished:
-                if reason == "error":  # what its failed step wrote is not to be reused
-                    self.blocks.forget(seq.block_ids)
+            if seq is None:
+                continue
+            if reason == "error":  # what its failed step wrote is not to be reused
+                self.blocks.forget(seq.block_ids)
+            if not seq.finished:  # (a pooling sequence finished when its last chunk was planned)
                 self._finish(seq)
         self.done = max(self.done, feedback.step)
         self._release_done()
@@ -299,7 +386,7 @@ class Scheduler:
             if num_tokens == 0:
                 index += 1
                 continue
-            need = self.blocks.blocks_for(seq.num_computed + num_tokens) - len(seq.block_ids)
+            need = self._blocks_needed(seq, num_tokens) - len(seq.block_ids)
             while not self.blocks.can_allocate(need):
                 victim = self._victim(index)
                 self._preempt(victim)
@@ -396,7 +483,7 @@ class Scheduler:
         or ``(0, 0)`` with nothing taken when it does not fit this step."""
         num_cached = self._reuse_cached(seq)
         num_tokens = self._chunk_size(seq, budget)
-        need = self.blocks.blocks_for(seq.num_computed + num_tokens) - num_cached
+        need = self._blocks_needed(seq, num_tokens) - num_cached
         if num_cached:  # a new slot's table holds the cached blocks too
             extra_bytes += FrameLimits.shared_table_bytes(num_cached)
         if (
@@ -416,8 +503,11 @@ class Scheduler:
         """Give ``seq`` (holding no blocks) the cached blocks of its longest computed prefix,
         never its last token (whose logits are needed); return how many. Requests asking
         for prompt logprobs compute their prompt."""
-        if not self.blocks.caching or seq.request.wants_prompt_logprobs:
+        request = seq.request
+        if not self.blocks.caching or request.wants_prompt_logprobs:
             return 0
+        if request.pooling is not None and request.pooling.pooling != "last":
+            return 0  # mean and CLS pooling read the prompt's first tokens' hidden states
         hashes = self._hashes(seq, (len(seq) - 1) // self.blocks.block_size)
         seq.block_ids = self.blocks.lookup(hashes)
         seq.num_computed = seq.num_registered = len(seq.block_ids)
@@ -481,9 +571,16 @@ class Scheduler:
         """Tokens to compute for ``seq`` now: what it lacks, within the step's token budget
         and, for a prompt being scored, the step's prompt-logprob positions."""
         num_tokens = min(len(seq) - seq.num_computed, budget)
+        if self.encoder and num_tokens < len(seq):
+            return 0  # an encoder's prompt is computed whole or not at all
         if self._scores_prompt(seq):
             num_tokens = min(num_tokens, self._prompt_logprob_tokens)
         return num_tokens
+
+    def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """KV blocks ``seq`` holds once ``num_tokens`` more are computed (none for an
+        encoder)."""
+        return 0 if self.encoder else self.blocks.blocks_for(seq.num_computed + num_tokens)
 
     def _take(self, seq: Sequence, num_tokens: int, chunks: list) -> None:
         if self._scores_prompt(seq):
@@ -544,6 +641,7 @@ class Scheduler:
         num_tokens = np.empty(num, np.int32)
         sample = np.zeros(num, np.bool_)
         token_ids: list[int] = []
+        pooled: list[Sequence] = []
         for i, (seq, n) in enumerate(chunks):
             start, end = seq.num_computed, seq.num_computed + n
             seq_ids[i], slots[i], seq_starts[i], num_tokens[i] = seq.seq_id, seq.slot, start, n
@@ -555,9 +653,15 @@ class Scheduler:
             seq.num_computed = end
             seq.last_step = step
             self._register_computed(seq)
-            if end == len(seq) and seq.num_outputs < seq.request.max_tokens:
+            if seq.request.pooling is not None:
+                if end == len(seq):  # the last chunk: the executor pools it
+                    sample[i] = True
+                    pooled.append(seq)
+            elif end == len(seq) and seq.num_outputs < seq.request.max_tokens:
                 sample[i] = True
                 seq.num_inflight += 1
+        for seq in pooled:
+            self._finish(seq)
         if block_deltas:
             delta = np.asarray(block_deltas, np.int32)
             block_slots, block_indices, block_ids = (Array.of(delta[:, k]) for k in range(3))
@@ -584,9 +688,9 @@ class Scheduler:
         request.announced = True
         sampling = request.sampling
         prompt_ids = None
-        if sampling.prompt_logprobs is not None:
+        if request.wants_prompt_logprobs:
             prompt_ids = Array.of(request.prompt_token_ids)
-        if sampling.max_tokens != request.max_tokens:
+        if sampling is not None and sampling.max_tokens != request.max_tokens:
             sampling = msgspec.structs.replace(sampling, max_tokens=request.max_tokens)
         self.announcements.append(
             NewRequest(

@@ -2,13 +2,15 @@
 
     POST /v1/completions          completions.py
     POST /v1/chat/completions     chat.py
+    POST /v1/embeddings           embeddings.py
     GET  /v1/models               the served model names
     GET  /health                  200 when serving; 503 dead, draining or stalled (health.py)
     GET  /metrics                 Prometheus text (metrics.py)
     POST /tokenize, /detokenize   vLLM's, with the engine's tokenizer and chat template
 
 Only ``/v1/*`` needs the API key (``Authorization: Bearer KEY``), as in vLLM: health and
-metrics serve probes and scrapers.
+metrics serve probes and scrapers. A model that cannot generate (an encoder such as BERT)
+answers the two generation endpoints with 400; one that cannot pool answers embeddings so.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from mpengine.metrics import CONTENT_TYPE
 from mpengine.server.chat import chat_prompt, create_chat_completion
 from mpengine.server.completions import create_completion
+from mpengine.server.embeddings import create_embedding
 from mpengine.server.errors import APIError, install_handlers
 from mpengine.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -59,15 +63,31 @@ def build_app(state: ServerState) -> FastAPI:
             message = "a valid API key is required (Authorization: Bearer KEY)"
             raise APIError(401, message, code="invalid_api_key")
 
+    def check_generates(name: str | None) -> None:
+        """400 for a generation request to a model that only embeds."""
+        if not state.info.can_generate:
+            model = state.check_model(name)
+            message = (
+                f"the model {model!r} cannot generate: it is an embedding model "
+                "(use /v1/embeddings)"
+            )
+            raise APIError(400, message, "model")
+
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_generates(body.model)
         return await create_completion(state, body, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_generates(body.model)
         return await create_chat_completion(state, body, request)
+
+    @v1.post("/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await create_embedding(state, body, request)
 
     @v1.get("/models")
     async def models() -> Response:

@@ -6,6 +6,8 @@ API key, 404 unknown model or route, 413 too large, 503 overloaded, draining or 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -29,10 +31,11 @@ _TYPES = {
 # The engine's RequestError kinds.
 _KIND_STATUS = {"invalid": 400, "unknown": 400, "too_large": 413, "overloaded": 503}
 # Where an error message names the field: msgspec's "... - at `$.temperature`" (the
-# engine's own says "- at `sampling.temperature`"), or a message that starts with the field,
-# "min_tokens (5) > ..." or "prompt_token_ids: ...".
-_AT_FIELD = re.compile(r"- at `(?:\$\.)?(?:sampling\.)?([A-Za-z_]\w*)")
-_LEADING = re.compile(r"^([a-z_]+)(?::| \()")
+# engine's own says "- at `sampling.temperature`" or "- at `pooling.dimensions`"), or a
+# message that starts with the field, "min_tokens (5) > ...", "pooling.dimensions (65) ..."
+# or "prompt_token_ids: ...".
+_AT_FIELD = re.compile(r"- at `(?:\$\.)?(?:sampling\.|pooling\.)?([A-Za-z_]\w*)")
+_LEADING = re.compile(r"^(?:(?:sampling|pooling)\.([a-z_]+)\b|([a-z_]+)(?::| \())")
 
 
 class APIError(Exception):
@@ -63,7 +66,7 @@ def field_of(message: str) -> str | None:
     if match := _AT_FIELD.search(message):
         return match.group(1)
     if match := _LEADING.match(message):
-        return match.group(1)
+        return match.group(1) or match.group(2)
     return None
 
 
@@ -99,9 +102,9 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> Response:
-        first = exc.errors()[0] if exc.errors() else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(location) or None
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = ".".join(_location(errors)) or None
         message = str(first.get("msg", "invalid request"))
         if param is None and first.get("type") == "model_attributes_type":
             message = "the body must be a JSON object (Content-Type: application/json)"
@@ -110,3 +113,20 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> Response:
         return APIError(exc.status_code, str(exc.detail)).response()
+
+
+def _location(errors: Sequence[Any]) -> list[str]:
+    """Where the first validation error is: the path that the errors on its field share (a
+    value that fits no member of a union, ``prompt: {}``, fails once per member, each path
+    ending in that member's type: ``prompt.str``, ``prompt.list[int]``...)."""
+    paths = [[str(part) for part in e.get("loc", ()) if part != "body"] for e in errors]
+    if not paths:
+        return []
+    common = paths[0]
+    for path in paths[1:]:
+        if path[:1] == common[:1]:
+            size = 0
+            while size < min(len(common), len(path)) and common[size] == path[size]:
+                size += 1
+            common = common[:size]
+    return common

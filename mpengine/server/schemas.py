@@ -16,7 +16,7 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict
 
-from mpengine.protocol import SamplingParams
+from mpengine.protocol import PoolingParams, SamplingParams
 
 # -- requests --------------------------------------------------------------------------------
 
@@ -129,6 +129,32 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings request, with vLLM's ``truncate_prompt_tokens``, ``normalize``
+    and ``pooling`` (None: the model's default)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+    pooling: str | None = None
+
+    def pooling_params(self) -> PoolingParams:
+        """The engine's parameters; raises ``msgspec.ValidationError`` naming the field or
+        ``ValueError`` for a value out of range."""
+        fields = {
+            "pooling": self.pooling,
+            "normalize": self.normalize,
+            "dimensions": self.dimensions,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
+        }
+        given = {name: value for name, value in fields.items() if value is not None}
+        return msgspec.convert(given, PoolingParams)
+
+
 # -- responses -------------------------------------------------------------------------------
 
 _OUT = {"omit_defaults": True}
@@ -231,6 +257,28 @@ class ChatCompletionChunk(msgspec.Struct, **_OUT):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
+
+
+class EmbeddingData(msgspec.Struct):
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+    object: Literal["embedding"] = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct):
+    """OpenAI's embeddings response, with vLLM's ``id`` and ``created``."""
+
+    id: str
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+    object: Literal["list"] = "list"
 
 
 class ModelCard(msgspec.Struct):

@@ -2,7 +2,8 @@
 
 `build(arch, out_dir, preset)` writes a model directory that `transformers` loads with
 `AutoModelForCausalLM` (qwen3, llama, gpt2) or `AutoModel` (bert), plus a byte-level BPE
-tokenizer trained on the bundled corpus (see `tiny_tokenizer`). Building twice gives
+tokenizer trained on the bundled corpus (see `tiny_tokenizer`); embedding models also get
+sentence-transformers' `modules.json` and pooling configuration. Building twice gives
 byte-identical files. `resolve_model(name)` maps the short names in KNOWN_MODELS to a
 directory in the cache, building it on first use.
 
@@ -67,8 +68,18 @@ KNOWN_MODELS: dict[str, tuple[str, str]] = {
     "tiny-llama": ("llama", "tiny"),
     "tiny-gpt2": ("gpt2", "tiny"),
     "tiny-bert": ("bert", "tiny"),
+    "tiny-embed": ("qwen3", "embed"),
     "small": ("qwen3", "small"),
     "qwen3-0.6b-shape": ("qwen3", "0.6b-shape"),
+    "qwen3-embedding-0.6b-shape": ("qwen3", "0.6b-shape-embed"),
+}
+
+# Embedding models: (arch, preset) -> the sentence-transformers pooling mode they declare
+# (then normalised), as all-MiniLM-L6-v2 (mean) and Qwen3-Embedding (last token) do.
+_POOLING: dict[tuple[str, str], str] = {
+    ("bert", "tiny"): "mean",
+    ("qwen3", "embed"): "last",
+    ("qwen3", "0.6b-shape-embed"): "last",
 }
 
 _TOKENIZERS: dict[str, TokenizerSpec] = {
@@ -147,6 +158,10 @@ _PRESETS: dict[tuple[str, str], dict[str, object]] = {
         attention_probs_dropout_prob=0.0,
     ),
 }
+# Decoder embedding models (Qwen3-Embedding style): a causal LM whose directory declares
+# last-token pooling, so it embeds and generates.
+_PRESETS["qwen3", "embed"] = _PRESETS["qwen3", "tiny"]
+_PRESETS["qwen3", "0.6b-shape-embed"] = _PRESETS["qwen3", "0.6b-shape"]
 
 
 @dataclass(frozen=True)
@@ -229,7 +244,34 @@ def build(arch: str, out_dir: str | os.PathLike[str], preset: str = "tiny") -> P
         model.generation_config = GenerationConfig(**_special_ids(spec))
     with _quiet_progress_bars():
         model.save_pretrained(out)
+    if (pooling := _POOLING.get((arch, preset))) is not None:
+        _write_sentence_transformers(out, pooling, model.config.hidden_size)
     return out
+
+
+def _write_sentence_transformers(out: Path, pooling: str, hidden_size: int) -> None:
+    """The files sentence-transformers reads: Transformer -> Pooling -> Normalize."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+        {
+            "idx": 2,
+            "name": "2",
+            "path": "2_Normalize",
+            "type": "sentence_transformers.models.Normalize",
+        },
+    ]
+    flags = {"cls": "cls_token", "mean": "mean_tokens", "last": "lasttoken"}
+    settings = {"word_embedding_dimension": hidden_size}
+    settings |= {f"pooling_mode_{flag}": mode == pooling for mode, flag in flags.items()}
+    (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(settings, indent=2))
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""The command line: help documents every engine flag; generate prints completions."""
+"""The command line: help documents every engine flag; generate prints completions, embed
+embeddings."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
+from tokenizers import Tokenizer
+
 import mpengine
 from mpengine.cli import build_parser
 from mpengine.config import EngineConfig
+from mpengine.testing.tiny import resolve_model
 
 
 def test_help_documents_every_engine_flag():
@@ -48,6 +53,28 @@ def test_generate_prints_completions():
     assert [r["prompt"] for r in records] == ["Hello there", "The sea"]
     assert all(len(r["token_ids"]) == 5 and r["finish_reason"] == "length" for r in records)
     assert "tokens/s" in done.stderr
+
+
+def test_embed_prints_embeddings():
+    texts = ["Hello there", "The sea is calm"]
+    cmd = [sys.executable, "-m", "mpengine.cli", "embed", "--model", "tiny-bert"]
+    cmd += ["--dimensions", "16", "--log-level", "WARNING", *texts]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    tokenizer = Tokenizer.from_file(os.path.join(resolve_model("tiny-bert"), "tokenizer.json"))
+    assert [r["index"] for r in records] == [0, 1]
+    assert [r["num_prompt_tokens"] for r in records] == [
+        len(tokenizer.encode(t).ids) for t in texts
+    ]
+    for record in records:  # the first 16 values, normalised (tiny-bert's default)
+        assert len(record["embedding"]) == 16
+        assert abs(np.linalg.norm(record["embedding"]) - 1.0) < 1e-5
+    assert records[0]["embedding"] != records[1]["embedding"]
+    assert "embeddings" in done.stderr
+    bad = [sys.executable, "-m", "mpengine.cli", "embed", "--dimensions", "0", "x"]
+    done = subprocess.run(bad, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "dimensions" in done.stderr
 
 
 def test_bad_flags_fail_clearly():

@@ -418,8 +418,10 @@ def test_kv_cache_layout_and_sizing() -> None:
 
 
 def test_rejects_what_it_cannot_run_exactly(tmp_path) -> None:
-    with pytest.raises(NotImplementedError, match="not a causal language model"):
-        make_executor("tiny-bert")
+    t5 = tmp_path / "t5"
+    AutoConfig.for_model("t5", d_model=8, num_layers=1, num_heads=1).save_pretrained(t5)
+    with pytest.raises(NotImplementedError, match="encoder-decoder"):
+        make_executor(str(t5))
     with pytest.raises(ValueError, match="exceeds the model's maximum"):
         make_executor("tiny", max_model_len=10**6)
     path = build_model(tmp_path, "mistral", sliding_window=32)

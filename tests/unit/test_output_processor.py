@@ -330,15 +330,28 @@ def test_prompt_logprobs_keep_the_first_value_of_a_position(proc: OutputProcesso
 
 def test_embeddings(tokenizer_dir: Path) -> None:
     proc = OutputProcessor(str(tokenizer_dir / "tokenizer.json"), [2])
-    proc.announce(NewRequest("e", "c", [4], 5, None, PoolingParams(), 1.0, 2.0))
-    emb = Array.of(np.array([[1, 2, 3], [4, 5, 6]]), "float32")
-    # A pooling step samples nothing: its token ids may be empty.
-    step = StepResult(0, Array.of([9, 4], "int64"), Array.of([]), embeddings=emb)
+    proc.announce(NewRequest("e", "c", [4], 5, None, PoolingParams("mean", True), 1.0, 2.0))
+    proc.announce(NewRequest("d", "c", [6], 5, None, PoolingParams("last", True, 2), 1.0, 2.0))
+    proc.announce(new("g", [7], max_tokens=5))
+    emb = Array.of(np.array([[1, 2, 3], [4, 5, 0]]), "float32")
+    # A step that samples one sequence and pools two (rows in pooled_seq_ids order; a row
+    # asking for fewer dimensions has zeros past them).
+    step = StepResult(
+        0,
+        Array.of([7], "int64"),
+        Array.of([40]),
+        pooled_seq_ids=Array.of([4, 6], "int64"),
+        embeddings=emb,
+    )
     feedback, out = proc.process(step)
-    assert out[0][1].embedding.numpy().tolist() == [4, 5, 6]  # type: ignore[union-attr]
-    assert out[0][1].finish_reason == "stop" and feedback.finished_seq_ids == [4]
-    assert feedback.seq_ids.numpy().size == 0
-    assert proc.num_unfinished == 0
+    by_id = {delta.request_id: delta for _, delta in out}
+    assert by_id["e"].embedding.numpy().tolist() == [1, 2, 3]  # type: ignore[union-attr]
+    assert by_id["d"].embedding.numpy().tolist() == [4, 5]  # type: ignore[union-attr]
+    assert by_id["e"].finish_reason == "stop" and by_id["e"].num_prompt_tokens == 5
+    assert by_id["g"].finish_reason is None
+    # The scheduler finished the pooled sequences when it planned their last chunk.
+    assert feedback.finished_seq_ids == [] and feedback.seq_ids.numpy().tolist() == [7]
+    assert proc.num_unfinished == 1
 
 
 def test_max_model_len_caps_the_output(tokenizer_dir: Path) -> None:

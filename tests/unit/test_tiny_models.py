@@ -179,8 +179,8 @@ def test_logits_are_not_flat(arch: str, loaded: Loaded) -> None:
 def test_builds_are_byte_identical(tmp_path: Path, built: dict[str, Path]) -> None:
     for arch, first in built.items():
         second = build(arch, tmp_path / arch)
-        names = sorted(p.name for p in first.iterdir())
-        assert names == sorted(p.name for p in second.iterdir())
+        names = sorted(str(p.relative_to(first)) for p in first.rglob("*") if p.is_file())
+        assert names == sorted(str(p.relative_to(second)) for p in second.rglob("*") if p.is_file())
         for name in names:
             assert (first / name).read_bytes() == (second / name).read_bytes(), (arch, name)
 
