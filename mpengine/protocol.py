@@ -340,6 +340,9 @@ class EngineStats(msgspec.Struct, **_WIRE):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_cached_blocks: int = 0
+    # Tokens sampled and accepted (generation), and tokens computed (prompts and decodes).
+    generated_tokens: int = 0
+    computed_tokens: int = 0
 
 
 ClientRequest = Hello | AddRequest | Abort | StatsQuery | TokenizerQuery

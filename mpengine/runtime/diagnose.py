@@ -227,33 +227,14 @@ def format_stacks(dumps: dict[str, str], engine: EngineProcesses) -> str:
 
 @dataclass(slots=True)
 class Sample:
-    """One look at the engine: its stats, when, and the generated tokens so far (from the
-    HTTP front end's metrics, when there is one)."""
+    """One look at the engine: its stats, and when."""
 
     stats: object  # EngineStats
     at: float
-    generated_tokens: float | None = None
 
 
-def take_sample(client, http: str | None) -> Sample:
-    stats = client.stats()
-    return Sample(stats, time.monotonic(), _generated_tokens(http) if http else None)
-
-
-def _generated_tokens(http: str) -> float | None:
-    """``mpengine:generation_tokens_total`` from the front end's /metrics."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{http}/metrics", timeout=2.0) as reply:
-            text = reply.read().decode()
-    except OSError:
-        return None
-    total = None
-    for line in text.splitlines():
-        if line.startswith("mpengine:generation_tokens_total"):
-            total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
-    return total
+def take_sample(client) -> Sample:
+    return Sample(client.stats(), time.monotonic())
 
 
 def render_top(before: Sample, after: Sample, title: str) -> str:
@@ -263,17 +244,16 @@ def render_top(before: Sample, after: Sample, title: str) -> str:
     used = 1.0 - s.num_free_blocks / s.num_blocks if s.num_blocks else 0.0
     steps_per_s = (s.done - p.done) / dt
     finished_per_s = (s.finished - p.finished) / dt
-    tokens = "-"
-    if after.generated_tokens is not None and before.generated_tokens is not None:
-        tokens = f"{(after.generated_tokens - before.generated_tokens) / dt:.1f}"
+    generated = (getattr(s, "generated_tokens", 0) - getattr(p, "generated_tokens", 0)) / dt
+    computed = (getattr(s, "computed_tokens", 0) - getattr(p, "computed_tokens", 0)) / dt
     lines = [
         title,
         f"requests  {s.num_running} running, {s.num_waiting} waiting, "
         f"{s.num_preempted} preempted   finished {finished_per_s:.1f}/s   "
         f"preemptions {s.preemptions}",
         f"KV cache  {used:6.1%} of {s.num_blocks} blocks",
-        f"rate      {tokens} tokens/s   {steps_per_s:.1f} steps/s   "
-        f"lockstep lag {s.step - s.done} steps",
+        f"rate      {generated:.1f} tokens/s generated   {computed:.1f} tokens/s computed   "
+        f"{steps_per_s:.1f} steps/s   lockstep lag {s.step - s.done} steps",
     ]
     lines += _stage_lines(getattr(p, "stages", {}), getattr(s, "stages", {}), dt)
     return "\n".join(lines)
@@ -346,17 +326,13 @@ def cmd_top(args: argparse.Namespace) -> int:
     """``mpengine top``: a live view, refreshed every ``--interval`` seconds."""
     from mpengine.client import Client
 
-    http = None
-    if args.address.startswith("ipc://"):
-        record = read_engine_file(ipc_dir(args.address)) or {}
-        http = record.get("http")
     with Client(args.address, auth_token=args.auth_token) as client:
         title = f"mpengine top  {client.info.model}  ({client.info.runtime}, {args.address})"
-        before = take_sample(client, http)
+        before = take_sample(client)
         try:
             while True:
                 time.sleep(args.interval)
-                after = take_sample(client, http)
+                after = take_sample(client)
                 screen = render_top(before, after, title)
                 if args.once:
                     print(screen)

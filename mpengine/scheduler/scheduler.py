@@ -121,6 +121,8 @@ class Scheduler:
                 "forked_blocks",
                 "prefix_cache_queries",
                 "prefix_cache_hits",
+                "generated_tokens",
+                "computed_tokens",
             ),
             0,
         )
@@ -346,6 +348,7 @@ class Scheduler:
                 continue
             seq.token_ids.append(token_id)
             seq.num_inflight -= 1
+            self.counters["generated_tokens"] += 1
             assert seq.num_inflight >= 0, f"seq {seq_id}: more tokens than planned"
         for seq_id, reason in zip(feedback.finished_seq_ids, feedback.finish_reasons, strict=True):
             seq = self.seqs.get(seq_id)
@@ -667,6 +670,7 @@ class Scheduler:
             block_slots, block_indices, block_ids = (Array.of(delta[:, k]) for k in range(3))
         else:
             block_slots = block_indices = block_ids = Array.of([])
+        self.counters["computed_tokens"] += len(token_ids)
         logger.debug("step %d: %d seqs, %d tokens", step, num, len(token_ids))
         return StepPlan(
             step=step,

@@ -43,15 +43,19 @@ async def create_completion(
         raise bad_request("suffix is not supported", "suffix")
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
-    if body.best_of is not None and body.best_of != body.n:
-        raise bad_request("best_of must equal n (it is not supported otherwise)", "best_of")
+    if body.stream and body.best_of is not None and body.best_of > body.n:
+        raise bad_request(
+            f"best_of ({body.best_of}) > n ({body.n}) cannot be streamed: the best samples "
+            "are known only when all have ended",
+            "best_of",
+        )
     texts, prompts = _prompts(state, body.prompt)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:  # the echoed prompt shows its logprobs too
         prompt_logprobs = body.logprobs
     try:
-        params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs)
+        params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs, body.best_of)
     except (msgspec.ValidationError, ValueError) as exc:
         raise invalid_value(exc) from None
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -164,7 +168,7 @@ class _View:
                         result.prompt_token_ids,
                     )
                 )
-                num_generated += len(sample.token_ids)
+            num_generated += result.num_generated
         return Completion(
             self.id, self.created, self.model, choices, usage=self._usage(num_generated)
         )

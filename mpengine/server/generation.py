@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -53,6 +53,7 @@ class PromptResult:
     prompt_token_ids: list[int]
     samples: list[Sample]
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_generated: int = 0  # by every sample, returned or not (best_of > n): the usage
 
 
 class Generation:
@@ -61,7 +62,9 @@ class Generation:
     from creation until ``close``.
 
     One prompt (the usual case) is read straight from its stream; several are read by one
-    task each into a queue, so that a slow prompt does not hold up the others.
+    task each into a queue, so that a slow prompt does not hold up the others. With
+    ``best_of > n`` the engine sends the best ``n`` samples only once all have ended: each
+    prompt's "stream" is then its whole result, one sample at a time.
     """
 
     def __init__(
@@ -75,8 +78,9 @@ class Generation:
         self.prompts = prompts
         self.params = params
         self.trackers = [state.metrics.tracker(len(p), params.n) for p in prompts]
+        read = self._ranked if params.ranks_samples else state.client.stream
         self.streams = [
-            state.client.stream(prompt, params, request_id=f"{request_id}-{index}")
+            read(prompt, params, request_id=f"{request_id}-{index}")
             for index, prompt in enumerate(prompts)
         ]
         self.num_open = len(prompts)
@@ -86,6 +90,24 @@ class Generation:
         self.tasks = []
         if len(prompts) > 1:
             self.tasks = [asyncio.create_task(self._pump(i)) for i in range(len(prompts))]
+
+    async def _ranked(
+        self, prompt: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """A ranked request's result as one finished delta per returned sample; the first
+        carries the tokens all ``best_of`` samples generated."""
+        out = await self.state.client.generate(prompt, params, request_id=request_id)
+        for sample in out.outputs:
+            total = out.num_generated_tokens if sample.index == 0 else 0
+            yield RequestOutput(
+                out.request_id,
+                out.prompt_token_ids,
+                [sample],
+                True,
+                out.prompt_logprobs,
+                out.metrics,
+                total,
+            )
 
     async def _read(self, index: int) -> RequestOutput | None:
         """Prompt ``index``'s next delta (None after its last), counted in the metrics; an
@@ -133,9 +155,14 @@ class Generation:
         try:
             while (item := await self.next()) is not None:
                 index, delta = item
-                results[index].samples[delta.outputs[0].index].add(delta)
+                result = results[index]
+                result.samples[delta.outputs[0].index].add(delta)
+                if self.params.ranks_samples:
+                    result.num_generated += delta.num_generated_tokens
+                else:
+                    result.num_generated += len(delta.outputs[0].token_ids)
                 if delta.prompt_logprobs is not None:
-                    results[index].prompt_logprobs = delta.prompt_logprobs
+                    result.prompt_logprobs = delta.prompt_logprobs
         finally:
             await self.close()
         return results

@@ -52,7 +52,11 @@ class SamplingFields(BaseModel):
     user: str | None = None
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        best_of: int | None = None,
     ) -> SamplingParams:
         """The engine's parameters; raises ``msgspec.ValidationError`` naming the field
         (``... - at `$.temperature```) or ``ValueError`` for a value out of range."""
@@ -68,6 +72,7 @@ class SamplingFields(BaseModel):
             "seed": self.seed,
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
+            "best_of": best_of,
         }
         optional = {
             "temperature": self.temperature,

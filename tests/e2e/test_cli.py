@@ -99,6 +99,8 @@ def test_serve_then_connect_and_stats(tmp_path):
         "tiny",
         "--address",
         address,
+        "--port",
+        "0",  # any free port: 8000 may be taken on this host
         "--num-gpu-blocks-override",
         "64",
         "--log-level",

@@ -107,15 +107,24 @@ def _stats(done: int, stages: dict[str, tuple[int, float]], **counts: int) -> En
 
 
 def test_render_top_names_the_bottleneck() -> None:
-    before = Sample(_stats(100, {"scheduler": (100, 0.1), "executor": (100, 1.0)}), 10.0, 1000.0)
+    before = Sample(
+        _stats(100, {"scheduler": (100, 0.1), "executor": (100, 1.0)}, generated_tokens=1000),
+        10.0,
+    )
     after = Sample(
-        _stats(300, {"scheduler": (300, 0.3), "executor": (300, 2.8)}, num_running=4),
+        _stats(
+            300,
+            {"scheduler": (300, 0.3), "executor": (300, 2.8)},
+            num_running=4,
+            generated_tokens=1800,
+            computed_tokens=3000,
+        ),
         12.0,
-        1800.0,
     )
     screen = render_top(before, after, "title")
     assert "4 running" in screen and "25.0% of 100 blocks" in screen
-    assert "400.0 tokens/s" in screen and "100.0 steps/s" in screen and "lag 1 steps" in screen
+    assert "400.0 tokens/s generated" in screen and "1500.0 tokens/s computed" in screen
+    assert "100.0 steps/s" in screen and "lag 1 steps" in screen
     executor = next(line for line in screen.splitlines() if line.startswith("executor"))
     assert executor.split() == ["executor", "90%", "9.00"]
     assert (

@@ -256,6 +256,24 @@ def test_streaming_n_and_prompts(api: openai.OpenAI) -> None:
     assert all(len(t) == 5 for t in tokens.values())
 
 
+def test_best_of_returns_the_best_n_and_counts_every_sample(api: openai.OpenAI) -> None:
+    reply = api.completions.create(
+        model="tiny",
+        prompt=["a", "b"],
+        max_tokens=5,
+        n=2,
+        best_of=4,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3]  # n per prompt
+    assert reply.usage.completion_tokens == 2 * 4 * 5  # all best_of samples ran
+    with pytest.raises(openai.BadRequestError, match="cannot be streamed") as caught:
+        api.completions.create(model="tiny", prompt="a", n=1, best_of=2, stream=True)
+    assert caught.value.body["param"] == "best_of"
+
+
 def test_logprobs_and_echo(api: openai.OpenAI, server: Served) -> None:
     ids = tokenize(server, prompt="Once upon")
     reply = api.completions.create(

@@ -242,3 +242,20 @@ def test_property_random_workloads_match_reference(lengths, num_blocks, lag, see
     for seq_id, tokens in expected.items():
         assert output.outputs[seq_id] == tokens
     assert sched.blocks.num_free == sched.blocks.num_blocks
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_token_counters(lag):
+    sched = make_scheduler(budget=8)
+    prompts = {"a": list(range(10, 23)), "b": list(range(30, 35))}
+    for rid, prompt in prompts.items():
+        add(sched, rid, prompt, max_tokens=6)
+    output = FakeOutput(EOS)
+    run(sched, output, lag)
+    stats = sched.stats()
+    generated = sum(len(tokens) for tokens in output.outputs.values())
+    assert stats["generated_tokens"] == generated
+    # Every prompt token and every output but the last of each sequence was computed; under
+    # lag 1 a sequence that finished may have had one more decode planned (wasted).
+    expected = 13 + 5 + generated - 2
+    assert expected <= stats["computed_tokens"] <= expected + 2 * lag
