@@ -45,6 +45,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_request_bytes: Annotated[int, Meta(ge=1024)] = 4 * MiB
     ring_bytes: Annotated[int, Meta(ge=256 * 1024)] = 8 * MiB
     prefix_caching: bool = True
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    swap_space: Annotated[int, Meta(ge=0)] = 4 * GiB
     pooling: Literal["auto", "last", "mean", "cls", "none"] = "auto"
     max_waiting_requests: Annotated[int, Meta(ge=1)] = 4096
     max_waiting_tokens: Annotated[int, Meta(ge=1)] = 1 << 20
@@ -134,6 +136,11 @@ HELP = {
     "plans and results are bounded to fit, see docs/architecture.md)",
     "prefix_caching": "reuse the KV cache of prompts that share a prefix (automatic prefix "
     "caching by block hash; --no-prefix-caching turns it off)",
+    "preemption_mode": "what a sequence preempted for lack of KV blocks loses: recompute "
+    "(its blocks are dropped; it resumes by recomputing prompt and outputs) or swap (its "
+    "blocks are copied to host memory and back when it resumes; recompute when the swap "
+    "space is full, and for sequences with penalties or pooling)",
+    "swap_space": "host memory for swapped-out KV blocks, in bytes (pinned on a GPU)",
     "pooling": "how embeddings pool hidden states: auto (what the model directory's "
     "sentence-transformers files say; a base or encoder model without them pools the last "
     "token or CLS; a causal LM without them does not embed), last, mean, cls, or none (no "

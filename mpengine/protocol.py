@@ -343,6 +343,10 @@ class EngineStats(msgspec.Struct, **_WIRE):
     # Tokens sampled and accepted (generation), and tokens computed (prompts and decodes).
     generated_tokens: int = 0
     computed_tokens: int = 0
+    # Swap preemption: sequences whose KV blocks are in host memory, and blocks moved.
+    num_swapped: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
 
 
 ClientRequest = Hello | AddRequest | Abort | StatsQuery | TokenizerQuery
@@ -465,7 +469,9 @@ class StepPlan(msgspec.Struct, **_WIRE):
     slot's last sampled token" (a decode step needs no token from the scheduler, which is
     what lets it plan ahead). ``sample[i]`` says whether the chunk ends at the sequence's
     last known token, i.e. whether to sample (partial prefill chunks don't).
-    Block tables change by deltas: ``block_tables[slot, index] = block_id``.
+    Block tables change by deltas: ``block_tables[slot, index] = block_id``. Swaps are
+    copied before the forward, every swap-out before every swap-in (the order the
+    scheduler issued them in).
     """
 
     step: int
@@ -481,6 +487,10 @@ class StepPlan(msgspec.Struct, **_WIRE):
     block_ids: Array = EMPTY_IDS
     new_requests: list[RequestParams] = []  # before the new_seqs that name them
     released_requests: Array = EMPTY_IDS  # int64 keys no later plan names
+    # Swap preemption: (device block, host block) pairs to copy out, then (host block,
+    # device block) pairs to copy in, flattened.
+    swap_out: Array = EMPTY_IDS
+    swap_in: Array = EMPTY_IDS
 
     @property
     def num_seqs(self) -> int:
@@ -577,6 +587,7 @@ class ModelInfo(msgspec.Struct, **_WIRE):
     num_threads: int = 1
     pooling: PoolingInfo | None = None  # None: the model cannot embed
     can_generate: bool = True
+    num_host_blocks: int = 0  # swap space, in KV blocks
 
 
 class StageReady(msgspec.Struct, **_WIRE):

@@ -25,7 +25,13 @@ from mpengine.config import EngineConfig
 from mpengine.envs import InjectedFault, fault_seqs, fault_steps
 from mpengine.executor.attention import BACKENDS, METADATA_KWARG, Backend, default_backend
 from mpengine.executor.input_batch import InputBatch, StepInputs
-from mpengine.executor.kv_cache import KVCacheSpec, allocate_kv_cache, num_blocks_for
+from mpengine.executor.kv_cache import (
+    KVCacheSpec,
+    Swapper,
+    allocate_kv_cache,
+    allocate_swap_space,
+    num_blocks_for,
+)
 from mpengine.executor.model_loader import LoadedModel, load_model
 from mpengine.executor.pooler import Pooler, finalize, pool_padded, token_rows
 from mpengine.executor.sampler import PendingSample, Sampler, token_logprobs
@@ -84,6 +90,12 @@ class Executor:
         else:
             self.num_blocks = num_blocks_for(config, spec, self.device)
         self.kv_caches = allocate_kv_cache(spec, self.num_blocks, self.device)
+        self.swapper: Swapper | None = None
+        num_host_blocks = 0
+        if config.preemption_mode == "swap" and self.num_blocks:
+            num_host_blocks = config.swap_space // spec.bytes_per_block
+            host = allocate_swap_space(spec, num_host_blocks, self.device)
+            self.swapper = Swapper(self.kv_caches, host, self.num_blocks)
         self.max_model_len = self.loaded.max_model_len
         self.slots = SlotState(
             config.num_slots,
@@ -125,6 +137,7 @@ class Executor:
             num_threads=torch.get_num_threads(),
             pooling=self.loaded.pooling,
             can_generate=self.loaded.can_generate,
+            num_host_blocks=num_host_blocks,
         )
         logger.info("executor ready (%s attention): %s", self.backend, self.info)
 
@@ -165,6 +178,8 @@ class Executor:
             self.requests[params.key] = params
         failures: dict[int, str] = {}  # seq id -> why it failed
         try:
+            if len(plan.swap_out) or len(plan.swap_in):
+                self._swap(plan)
             if self.loaded.is_encoder:
                 result = self._execute_encoder(plan, failures)
             else:
@@ -271,6 +286,16 @@ class Executor:
             logprobs = token_logprobs(chunk_logits, target_ids, num_top)
             result.prompt_logprobs.append(PromptLogprobs(int(seq_ids[i]), first, logprobs))
         return result
+
+    def _swap(self, plan: StepPlan) -> None:
+        """Swap-outs, then swap-ins (the scheduler's order), before anything else of the
+        step: a block copied out may be reused by this very step."""
+        if self.swapper is None:
+            raise ValueError("the plan swaps blocks, but this executor has no swap space")
+        if len(plan.swap_out):
+            self.swapper.swap_out(plan.swap_out.numpy())
+        if len(plan.swap_in):
+            self.swapper.swap_in(plan.swap_in.numpy())
 
     def _apply_deltas(self, plan: StepPlan, failures: dict[int, str]) -> None:
         """Slot starts, then block-table entries, on the host; then the rows they touched

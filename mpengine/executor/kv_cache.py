@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mpengine.config import EngineConfig, GiB
@@ -78,3 +79,54 @@ def allocate_kv_cache(
         device=device,
     )
     return list(storage.unbind(0))
+
+
+def allocate_swap_space(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """Host memory for swapped-out blocks, one tensor in the device cache's layout with the
+    layer first: ``[layers, 2, kv_heads, num_blocks, block_size, head_dim]``. Pinned when
+    the cache is on a GPU (asynchronous copies); on the CPU its pages are mapped as blocks
+    are first written."""
+    return torch.empty(
+        (spec.num_layers, 2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim),
+        dtype=spec.dtype,
+        pin_memory=device.type == "cuda",
+    )
+
+
+class Swapper:
+    """Copies blocks between the device KV cache and the swap space, for all layers at
+    once: out (device -> host) before in (host -> device), before the step's forward.
+    On a GPU the copies are queued on the compute stream, so the forward that reuses a
+    block is ordered after them."""
+
+    def __init__(self, caches: list[torch.Tensor], host: torch.Tensor, num_blocks: int) -> None:
+        self.caches = caches
+        self.host = host
+        self.num_blocks = num_blocks
+        self.device = caches[0].device if caches else torch.device("cpu")
+
+    def _pairs(self, flat: np.ndarray, host_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = flat.reshape(-1, 2).astype(np.int64)
+        host, device = (pairs[:, 0], pairs[:, 1]) if host_first else (pairs[:, 1], pairs[:, 0])
+        if len(pairs) and (
+            device.min() < 0
+            or device.max() >= self.num_blocks
+            or host.min() < 0
+            or host.max() >= self.host.shape[3]
+        ):
+            raise ValueError("a swap names a block out of range")
+        return torch.from_numpy(host), torch.from_numpy(device)
+
+    def swap_out(self, flat: np.ndarray) -> None:
+        host, device = self._pairs(flat, host_first=False)
+        device = device.to(self.device)
+        for layer, cache in enumerate(self.caches):
+            blocks = cache.index_select(2, device)
+            self.host[layer].index_copy_(2, host, blocks.to("cpu"))
+
+    def swap_in(self, flat: np.ndarray) -> None:
+        host, device = self._pairs(flat, host_first=True)
+        device = device.to(self.device)
+        for layer, cache in enumerate(self.caches):
+            blocks = self.host[layer].index_select(2, host)
+            cache.index_copy_(2, device, blocks.to(self.device))

@@ -11,7 +11,7 @@ from mpengine.protocol import PoolingParams, SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"  # never scheduled
     RUNNING = "running"  # holds a slot and blocks
-    PREEMPTED = "preempted"  # blocks dropped; will recompute its tokens
+    PREEMPTED = "preempted"  # blocks dropped (recompute) or in host memory (swapped)
     FINISHED = "finished"
 
 
@@ -40,6 +40,8 @@ class Sequence:
     # preemption: it depends on the tokens only), and how many of ``block_ids`` are in it.
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered: int = 0
+    # Swapped out: the host blocks holding its KV (``num_computed`` is kept).
+    host_block_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         assert 0 <= self.num_computed <= len(self) and self.num_inflight >= 0

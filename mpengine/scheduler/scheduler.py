@@ -7,8 +7,10 @@ One token-budget model, no prefill or decode phases: each running sequence catch
 1. apply feedback: confirmed tokens, finished sequences (their blocks are released once no
    planned step still touches them), pending releases whose last step is now done;
 2. running sequences, oldest admission first; when one's next chunk needs blocks the cache
-   lacks, preempt the most recently admitted running sequence by recompute (drop its blocks,
-   requeue it; it resumes by recomputing prompt + outputs, its stream goes on seamlessly);
+   lacks, preempt the most recently admitted running sequence: by recompute (drop its
+   blocks, requeue it; it resumes by recomputing prompt + outputs, its stream goes on
+   seamlessly) or, with ``preemption_mode="swap"``, by copying its blocks to host memory
+   (the plan lists the copies; they come back when it resumes);
 3. if nothing was preempted: resume preempted sequences, then admit waiting requests (FCFS)
    within ``max_num_seqs``, the token budget and the free blocks;
 4. emit the plan: per sequence slot, start, chunk tokens (``-1`` for the in-flight sample the
@@ -81,6 +83,7 @@ class Scheduler:
         max_model_len: int,
         pooling: PoolingInfo | None = None,
         can_generate: bool = True,
+        num_host_blocks: int = 0,
     ) -> None:
         self.pooling = pooling  # None: the model cannot embed
         self.can_generate = can_generate
@@ -95,6 +98,11 @@ class Scheduler:
         caching = config.prefix_caching and not self.encoder
         self.blocks = BlockManager(num_blocks, config.block_size, caching)
         self.free_slots = deque(range(config.num_slots))
+        # Swap preemption: free host blocks, and this plan's copies.
+        self.swap = config.preemption_mode == "swap" and num_host_blocks > 0
+        self.free_host_blocks: deque[int] = deque(range(num_host_blocks if self.swap else 0))
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
         self.requests: dict[tuple[str, str], Request] = {}  # by (client id, request id)
         self.num_waiting_requests = 0  # the queue also holds aborted ones, skipped later
         self.num_waiting_tokens = 0
@@ -123,6 +131,8 @@ class Scheduler:
                 "prefix_cache_hits",
                 "generated_tokens",
                 "computed_tokens",
+                "swapped_out_blocks",
+                "swapped_in_blocks",
             ),
             0,
         )
@@ -136,6 +146,7 @@ class Scheduler:
             model.max_model_len,
             model.pooling,
             model.can_generate,
+            model.num_host_blocks,
         )
 
     # -- requests -------------------------------------------------------------------------
@@ -371,7 +382,9 @@ class Scheduler:
             self.abort_all()
         step = self.next_step
         budget = self.max_num_batched_tokens
-        self._extra_bytes = self.limits.plan_extra_bytes
+        # Swap-outs issued for a step that then planned nothing still wait to be sent (their
+        # blocks are free already: this plan's forward must come after the copies).
+        self._extra_bytes = self.limits.plan_extra_bytes - 8 * len(self._swap_out)
         self._prompt_logprob_tokens = self.limits.max_prompt_logprob_tokens
         chunks: list[tuple[Sequence, int]] = []
         starts: list[SeqStart] = []
@@ -413,10 +426,15 @@ class Scheduler:
             if seq.slot < 0:
                 self._start(seq, starts, params, block_deltas)
         if not chunks:
-            return None
+            return None  # swap-outs issued meanwhile go with the next plan
         self.next_step += 1
         plan = self._plan(step, chunks, starts, block_deltas)
         plan.new_requests = params
+        if self._swap_out:
+            plan.swap_out = Array.of(np.asarray(self._swap_out, np.int32).reshape(-1))
+        if self._swap_in:
+            plan.swap_in = Array.of(np.asarray(self._swap_in, np.int32).reshape(-1))
+        self._swap_out, self._swap_in = [], []
         if self.released:
             released = self.released[:MAX_RELEASED_PER_PLAN]
             del self.released[:MAX_RELEASED_PER_PLAN]
@@ -438,7 +456,10 @@ class Scheduler:
             seq = self.preempted[0]
             if seq.num_inflight:
                 break
-            num_tokens, need = self._place(seq, budget, 0, 0)
+            if seq.host_block_ids:
+                num_tokens, need = self._swap_in_place(seq, budget)
+            else:
+                num_tokens, need = self._place(seq, budget, 0, 0)
             if num_tokens == 0:
                 break
             self.preempted.popleft()
@@ -500,6 +521,26 @@ class Scheduler:
         self._extra_bytes -= extra_bytes
         self.counters["prefix_cache_queries"] += len(seq) if self.blocks.caching else 0
         self.counters["prefix_cache_hits"] += seq.num_computed
+        return num_tokens, need
+
+    def _swap_in_place(self, seq: Sequence, budget: int) -> tuple[int, int]:
+        """Make room for a swapped-out sequence: device blocks for its host blocks (copied
+        in before this step's forward) and for its next chunk. ``(0, 0)`` when it does not
+        fit this step."""
+        host = seq.host_block_ids
+        num_tokens = self._chunk_size(seq, budget)
+        need = self.blocks.blocks_for(seq.num_computed + num_tokens) - len(host)
+        cost = FrameLimits.shared_table_bytes(len(host)) + 8 * len(host)
+        if num_tokens == 0 or cost > self._extra_bytes:
+            return 0, 0
+        if not self.blocks.can_allocate(len(host) + max(need, 0)):
+            return 0, 0
+        self._extra_bytes -= cost
+        seq.block_ids = self.blocks.allocate(len(host))
+        self._swap_in += zip(host, seq.block_ids, strict=True)
+        self.free_host_blocks.extend(host)
+        self.counters["swapped_in_blocks"] += len(host)
+        seq.host_block_ids = []
         return num_tokens, need
 
     def _reuse_cached(self, seq: Sequence) -> int:
@@ -711,19 +752,46 @@ class Scheduler:
         )
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop blocks and slot now (the executor runs steps in order,
-        so a later plan reusing them cannot overtake the step in flight)."""
+        """Preempt by swap when it can (see ``_swap_out``), else by recompute: drop blocks
+        and slot now (the executor runs steps in order, so a later plan reusing them cannot
+        overtake the step in flight)."""
         self.running.remove(seq)
+        swapped = self._swap_out_blocks(seq)
         self.blocks.free(seq.block_ids)
         seq.block_ids = []
         self.free_slots.append(seq.slot)
         seq.slot = -1
-        seq.num_computed = seq.num_registered = 0
+        seq.num_registered = 0
+        if not swapped:
+            seq.num_computed = 0
         seq.fork_parent = None
         seq.status = Status.PREEMPTED
         self.preempted.appendleft(seq)
         self.counters["preemptions"] += 1
         logger.debug("preempted seq %d of %s", seq.seq_id, seq.request.request_id)
+
+    def _swap_out_blocks(self, seq: Sequence) -> bool:
+        """Copy ``seq``'s blocks to host memory (listed in the plan, done before its
+        forward, so the blocks can serve another sequence in the same step); False when it
+        must recompute instead: swap off or full, a pooling sequence (its running sums are
+        per slot), or penalties (their token history is per slot)."""
+        request = seq.request
+        num_blocks = len(seq.block_ids)
+        if (
+            not self.swap
+            or not num_blocks
+            or num_blocks > len(self.free_host_blocks)
+            or request.pooling is not None
+            or (request.sampling is not None and request.sampling.has_penalties)
+            or 8 * num_blocks > self._extra_bytes
+        ):
+            return False
+        self._extra_bytes -= 8 * num_blocks
+        host = [self.free_host_blocks.popleft() for _ in range(num_blocks)]
+        self._swap_out += zip(seq.block_ids, host, strict=True)
+        seq.host_block_ids = host
+        self.counters["swapped_out_blocks"] += num_blocks
+        return True
 
     def _finish(self, seq: Sequence) -> None:
         was_waiting = seq.status is Status.WAITING
@@ -731,6 +799,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.PREEMPTED:
             self.preempted.remove(seq)
+            self.free_host_blocks.extend(seq.host_block_ids)
+            seq.host_block_ids = []
         seq.status = Status.FINISHED
         self.pending_release.append(seq)
         request = seq.request
@@ -766,6 +836,7 @@ class Scheduler:
             "num_waiting": sum(len(r.seqs) for r in self.waiting),
             "num_running": len(self.running),
             "num_preempted": len(self.preempted),
+            "num_swapped": sum(1 for seq in self.preempted if seq.host_block_ids),
             "num_free_blocks": self.blocks.num_free,
             "num_cached_blocks": self.blocks.num_cached,
             "num_blocks": self.blocks.num_blocks,

@@ -43,6 +43,7 @@ class FakeExecutor:
         self.tables: dict[int, dict[int, int]] = {}
         self.last: dict[int, int] = {}
         self.cache: dict[tuple[int, int], int] = {}
+        self.host: dict[tuple[int, int], int] = {}  # swapped-out blocks
         self.requests: set[int] = set()  # parameter keys held, as the real executor does
         self.params_sent = 0
 
@@ -53,6 +54,12 @@ class FakeExecutor:
             assert params.sampling is None or not params.sampling.stop, "stops reach executor"
             self.requests.add(params.key)
             self.params_sent += 1
+        pairs = plan.swap_out.numpy().tolist()
+        for device, host in zip(pairs[::2], pairs[1::2], strict=True):
+            self._copy(self.cache, device, self.host, host)
+        pairs = plan.swap_in.numpy().tolist()
+        for host, device in zip(pairs[::2], pairs[1::2], strict=True):
+            self._copy(self.host, host, self.cache, device)
         for start in plan.new_seqs:
             assert start.request in self.requests, f"seq {start.seq_id}: unknown request"
             self.tables[start.slot] = {}
@@ -92,6 +99,15 @@ class FakeExecutor:
                 sampled.append(tok)
         assert offset == len(tokens)
         return StepResult(plan.step, Array.of(seq_ids, "int64"), Array.of(sampled))
+
+    def _copy(self, src: dict, src_block: int, dst: dict, dst_block: int) -> None:
+        """A block's positions from one cache to the other (stale ones removed)."""
+        for offset in range(self.block_size):
+            value = src.get((src_block, offset))
+            if value is None:
+                dst.pop((dst_block, offset), None)
+            else:
+                dst[(dst_block, offset)] = value
 
 
 class FakeOutput:

@@ -27,6 +27,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 NUM_REQUESTS = 36
 NEAR_TIE = 1e-4
+# 640 token slots for 36 requests of up to 340 tokens: preemption must happen.
+PRESSURE = {
+    "num_gpu_blocks_override": 40,
+    "block_size": 16,
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 128,
+}
 RUNTIMES = [
     pytest.param({"runtime": "processes", "async_depth": 0}, id="processes-depth0"),
     pytest.param({"runtime": "processes", "async_depth": 1}, id="processes-depth1"),
@@ -97,10 +104,7 @@ def test_greedy_tokens_equal_hf_generate(name, runtime, start_engine):
     refs = hf_reference(name)
     engine = start_engine(
         model=name,
-        num_gpu_blocks_override=40,  # 640 token slots for 36 requests of up to 340 tokens
-        block_size=16,
-        max_num_seqs=16,
-        max_num_batched_tokens=128,
+        **PRESSURE,
         **runtime,
     )
     with engine.client() as client:
@@ -150,10 +154,7 @@ def test_shared_prefixes_with_prefix_caching_equal_hf_generate(runtime, start_en
     refs = hf_reference(name, shared=True)
     engine = start_engine(
         model=name,
-        num_gpu_blocks_override=40,
-        block_size=16,
-        max_num_seqs=16,
-        max_num_batched_tokens=128,
+        **PRESSURE,
         prefix_caching=True,
         **runtime,
     )
@@ -163,3 +164,27 @@ def test_shared_prefixes_with_prefix_caching_equal_hf_generate(runtime, start_en
         stats = wait_idle(client)
     assert stats.prefix_cache_hits > 0 and stats.num_free_blocks == stats.num_blocks
     check_against_hf(name, requests, outputs, refs, runtime)
+
+
+@pytest.mark.parametrize(("swap_blocks", "label"), [(4096, "swap"), (10, "swap-full")])
+def test_swap_preemption_equals_hf_generate(swap_blocks, label, start_engine):
+    """Swap preemption under the same pressure: swapped sequences resume with their own
+    KV back from host memory; with little swap space the rest recompute. HF's tokens."""
+    name = "tiny"
+    refs = hf_reference(name)
+    engine = start_engine(
+        model=name,
+        **PRESSURE,
+        preemption_mode="swap",
+        swap_space=swap_blocks * 32768,  # tiny's KV block: 4 layers x 2 x 16 x 2 x 32 x 4 B
+        prefix_caching=False,
+    )
+    with engine.client() as client:
+        prompts = [prompt for prompt, _ in workload(name)]
+        params = [SamplingParams(max_tokens=m, temperature=0.0) for _, m in workload(name)]
+        outputs = client.generate_many(prompts, params, timeout=600)
+        stats = wait_idle(client)
+    assert stats.preemptions > 0 and stats.swapped_out_blocks > 0
+    assert stats.swapped_in_blocks == stats.swapped_out_blocks  # every swapped one resumed
+    assert stats.num_swapped == 0 and stats.num_free_blocks == stats.num_blocks
+    check_against_hf(name, workload(name), outputs, refs, label)

@@ -23,11 +23,22 @@ VOCAB = 97
 EOS = 5
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_len=512):
+def make_scheduler(
+    num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_len=512, num_host_blocks=0
+):
     config = EngineConfig(
-        block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        preemption_mode="swap" if num_host_blocks else "recompute",
     )
-    return Scheduler(config, num_blocks=num_blocks, vocab_size=VOCAB, max_model_len=max_len)
+    return Scheduler(
+        config,
+        num_blocks=num_blocks,
+        vocab_size=VOCAB,
+        max_model_len=max_len,
+        num_host_blocks=num_host_blocks,
+    )
 
 
 def add(sched, request_id, prompt, max_tokens=8, n=1, seed=None):
@@ -68,10 +79,15 @@ def outputs_of(sched_seqs_by_request, output):
     return {rid: [output.outputs[s] for s in ids] for rid, ids in sched_seqs_by_request.items()}
 
 
+@pytest.mark.parametrize("num_host_blocks", [0, 64, 5], ids=["recompute", "swap", "swap-full"])
 @pytest.mark.parametrize("lag", [0, 1])
-def test_outputs_match_reference_with_preemption(lag):
+def test_outputs_match_reference_with_preemption(lag, num_host_blocks):
+    """Recompute, swap, and swap that runs out of host blocks (then recomputes) all give
+    the reference outputs."""
     rng = random.Random(lag)
-    sched = make_scheduler(num_blocks=24, block_size=4, max_num_seqs=6, budget=16)
+    sched = make_scheduler(
+        num_blocks=24, block_size=4, max_num_seqs=6, budget=16, num_host_blocks=num_host_blocks
+    )
     output = FakeOutput(EOS)
     prompts = {}
     for i in range(20):
@@ -81,6 +97,10 @@ def test_outputs_match_reference_with_preemption(lag):
     seq_ids = {rid: [s.seq_id for s in sched.requests["client", rid].seqs] for rid in prompts}
     run(sched, output, lag)
     assert sched.counters["preemptions"] > 0, "the cache was meant to be too small"
+    swapped = sched.counters["swapped_out_blocks"]
+    assert (swapped > 0) == (num_host_blocks > 0)
+    assert sched.counters["swapped_in_blocks"] <= swapped
+    assert len(sched.free_host_blocks) == num_host_blocks
     for rid, (prompt, max_tokens) in prompts.items():
         (seq_id,) = seq_ids[rid]
         assert output.outputs[seq_id] == reference_generate(prompt, max_tokens, EOS, VOCAB), rid
@@ -259,3 +279,32 @@ def test_token_counters(lag):
     # lag 1 a sequence that finished may have had one more decode planned (wasted).
     expected = 13 + 5 + generated - 2
     assert expected <= stats["computed_tokens"] <= expected + 2 * lag
+
+
+def test_aborting_a_swapped_sequence_frees_its_host_blocks():
+    rng = random.Random(7)
+    sched = make_scheduler(
+        num_blocks=16, block_size=4, max_num_seqs=4, budget=16, num_host_blocks=32
+    )
+    prompts = {f"r{i}": [rng.randrange(6, VOCAB) for _ in range(12)] for i in range(4)}
+    for rid, prompt in prompts.items():
+        add(sched, rid, prompt, max_tokens=20)
+    seq_ids = {rid: sched.requests["client", rid].seqs[0].seq_id for rid in prompts}
+    output = FakeOutput(EOS)
+    aborted = []
+
+    def on_step(sched, plan):
+        swapped = [seq for seq in sched.preempted if seq.host_block_ids]
+        if swapped and not aborted:
+            request = swapped[0].request
+            aborted.append(request.request_id)
+            sched.abort(request.client_id, [request.request_id])
+            output.abort(swapped[0].seq_id)
+
+    run(sched, output, 1, on_step)
+    assert aborted, "no sequence was swapped out"
+    assert len(sched.free_host_blocks) == 32 and sched.stats()["num_swapped"] == 0
+    for rid, prompt in prompts.items():
+        if rid not in aborted:
+            expected = reference_generate(prompt, 20, EOS, VOCAB)
+            assert output.outputs[seq_ids[rid]] == expected, rid
