@@ -33,7 +33,7 @@ from mpengine.executor.kv_cache import (
     num_blocks_for,
 )
 from mpengine.executor.model_loader import LoadedModel, load_model
-from mpengine.executor.pooler import Pooler, finalize, pool_padded, token_rows
+from mpengine.executor.pooler import Pooler, finalize, padded_groups, pool_padded, token_rows
 from mpengine.executor.sampler import PendingSample, Sampler, token_logprobs
 from mpengine.executor.slots import SlotState
 from mpengine.protocol import (
@@ -118,6 +118,7 @@ class Executor:
             if self.loaded.can_generate:
                 self.model.base_model.register_forward_hook(self._hidden_hook)
         self.graphs = self._capture_graphs()
+        self._call_tokens = self._calibrate_encoder() if self.loaded.is_encoder else 0.0
         self.requests: dict[int, RequestParams] = {}  # by key, from plan to release
         self.fault_steps, self.fault_seqs = fault_steps(), fault_seqs()
         # The last step's phases: (name, perf_counter() when it began), in order, closed by
@@ -419,35 +420,56 @@ class Executor:
         self, token_ids: np.ndarray, lengths: np.ndarray, kinds: np.ndarray
     ) -> torch.Tensor:
         """Pooled vectors ``[B, hidden]`` of the prompts ``token_ids`` (concatenated, of
-        ``lengths``), in order. Sorted by length and cut into batches that waste at most a
-        quarter of their tokens on padding."""
-        order = np.argsort(lengths, kind="stable")
+        ``lengths``), in order, computed in padded batches of similar lengths (see
+        ``padded_groups``)."""
         offsets = np.cumsum(lengths) - lengths
         out = torch.empty(len(lengths), self.loaded.pooling.hidden_size, device=self.device)
-        groups: list[list[int]] = [[]]
-        for i in order:  # ascending: the newest is the longest of its group
-            group = groups[-1]
-            tokens = sum(int(lengths[j]) for j in group) + int(lengths[i])
-            if group and (len(group) + 1) * int(lengths[i]) * 3 > tokens * 4:
-                groups.append([])
-            groups[-1].append(int(i))
-        for group in groups:
-            index = np.asarray(group)
-            width = int(lengths[index].max())
-            mask = np.arange(width)[None, :] < lengths[index][:, None]
-            ids = np.zeros((len(index), width), np.int64)
-            ids[mask] = token_ids[token_rows(offsets[index], lengths[index])]
-            ids_t = torch.from_numpy(ids).to(self.device)
-            mask_t = torch.from_numpy(mask).to(self.device)
-            hidden = self.model(
-                input_ids=ids_t,
-                attention_mask=mask_t.long(),
-                token_type_ids=torch.zeros_like(ids_t),
-            ).last_hidden_state
-            lens_t = torch.from_numpy(lengths[index]).to(self.device)
-            pooled = pool_padded(hidden, mask_t, lens_t, kinds[index])
+        for index in padded_groups(lengths, self._call_tokens):
+            rows = token_rows(offsets[index], lengths[index])
+            pooled = self._encode_padded(token_ids[rows], lengths[index], kinds[index])
             out.index_copy_(0, torch.from_numpy(index).to(self.device), pooled)
         return out
+
+    def _encode_padded(
+        self, token_ids: np.ndarray, lengths: np.ndarray, kinds: np.ndarray
+    ) -> torch.Tensor:
+        width = int(lengths.max())
+        mask = np.arange(width)[None, :] < lengths[:, None]
+        ids = np.zeros((len(lengths), width), np.int64)
+        ids[mask] = token_ids
+        ids_t = torch.from_numpy(ids).to(self.device)
+        mask_t = torch.from_numpy(mask).to(self.device)
+        hidden = self.model(
+            input_ids=ids_t, attention_mask=mask_t.long(), token_type_ids=torch.zeros_like(ids_t)
+        ).last_hidden_state
+        lengths_t = torch.from_numpy(lengths).to(self.device)
+        return pool_padded(hidden, mask_t, lengths_t, kinds)
+
+    def _calibrate_encoder(self) -> float:
+        """What one more forward call costs, in padded tokens: time a call of one short
+        prompt (the fixed cost) and one of 8 x 64 tokens (the cost per token). Also warms
+        the model up."""
+
+        def seconds(batch: int, width: int) -> float:
+            ids = np.full(batch * width, 1, np.int64)
+            lengths = np.full(batch, width, np.int64)
+            kinds = np.zeros(batch, np.int8)
+            best = math.inf
+            for _ in range(3):
+                started = time.perf_counter()
+                self._encode_padded(ids, lengths, kinds).cpu()
+                best = min(best, time.perf_counter() - started)
+            return best
+
+        width = min(64, self.max_model_len)
+        with torch.inference_mode():
+            fixed = seconds(1, 1)
+            per_token = max(seconds(8, width) - fixed, 1e-9) / (8 * width)
+        call_tokens = fixed / per_token
+        logger.info(
+            "encoder forward: %.2f ms a call, worth %.0f padded tokens", 1e3 * fixed, call_tokens
+        )
+        return call_tokens
 
     def _sample(
         self, logits: torch.Tensor, slots: np.ndarray, contexts: np.ndarray

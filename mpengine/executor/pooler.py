@@ -84,6 +84,23 @@ class Pooler:
         return torch.where(is_last, last, pooled)
 
 
+def padded_groups(lengths: np.ndarray, call_tokens: float) -> list[np.ndarray]:
+    """Cut prompts into padded batches: sorted by length, a prompt starts a new batch when
+    joining the current one would pad more tokens than a forward call costs
+    (``call_tokens``: a call's fixed cost, in padded tokens). Returns index arrays."""
+    order = np.argsort(lengths, kind="stable")
+    groups: list[list[int]] = [[]]
+    longest = 0
+    for i in order.tolist():  # ascending: each new prompt is the longest of its batch
+        group = groups[-1]
+        if group and len(group) * (int(lengths[i]) - longest) > call_tokens:
+            groups.append([])
+            group = groups[-1]
+        group.append(i)
+        longest = int(lengths[i])
+    return [np.asarray(group) for group in groups]
+
+
 def pool_padded(
     hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, kinds: np.ndarray
 ) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mpengine.executor.model_loader import sentence_transformers_pooling
-from mpengine.executor.pooler import CLS, LAST, MEAN, Pooler, finalize, pool_padded
+from mpengine.executor.pooler import CLS, LAST, MEAN, Pooler, finalize, padded_groups, pool_padded
 
 
 def test_chunked_pooling_equals_pooling_the_whole_prompt():
@@ -101,3 +101,12 @@ def test_last_token_and_no_normalize(tmp_path: Path):
     write_modules(tmp_path, ["Transformer", "Pooling"], {"pooling_mode_lasttoken": True})
     declared = sentence_transformers_pooling(str(tmp_path))
     assert (declared.pooling, declared.normalize) == ("last", False)
+
+
+def test_padded_groups_trade_padding_for_calls():
+    lengths = np.array([5, 200, 6, 7, 190, 8])
+    groups = padded_groups(lengths, call_tokens=100.0)
+    assert [sorted(g.tolist()) for g in groups] == [[0, 2, 3, 5], [1, 4]]
+    # A call worth more than any padding: one batch; worth nothing: one per length.
+    assert len(padded_groups(lengths, call_tokens=1e9)) == 1
+    assert len(padded_groups(lengths, call_tokens=0.0)) == len(set(lengths.tolist()))
