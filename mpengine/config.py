@@ -75,9 +75,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             updates["engine_id"] = uuid.uuid4().hex[:8]
         if self.num_threads is None:
             cores = len(os.sched_getaffinity(0))
-            # The scheduler and output stages run beside the executor: they need a core.
-            overlapped = self.runtime in ("processes", "threads")
-            updates["num_threads"] = max(1, cores - 1) if overlapped else cores
+            # The scheduler and output stages run beside the executor and need a core, but
+            # take a few percent of one: on two cores, leaving one to them halves the
+            # forward's compute (all-MiniLM-L6-v2 embedding 1.6x, the small model
+            # generating 1.2-1.45x faster with both; tools/bench_embed.py, bench_engine.py).
+            overlapped = self.runtime in ("processes", "threads") and cores > 2
+            updates["num_threads"] = cores - 1 if overlapped else cores
         if self.trace:
             # Stages write their parts at exit; the caller's cwd may have changed by then.
             updates["trace"] = os.path.abspath(self.trace)
@@ -124,7 +127,7 @@ HELP = {
     "dtype": "model and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)",
     "device": "where the model runs",
     "num_threads": "torch threads in the executor (default: all cores but one in the processes "
-    "and threads runtimes, all cores in the serial one)",
+    "and threads runtimes on machines with more than two, else all cores)",
     "enforce_eager": "never replay CUDA graphs: run every step eagerly (CUDA only; decode "
     "steps are captured as graphs at start-up otherwise)",
     "seed": "seed of the sampler for requests without their own seed",
