@@ -7,8 +7,8 @@ pure-decode steps on a GPU, eager otherwise), launch sampling with its copy back
 host, then wait for the sampled ids; pooling sequences whose last chunk ran get their
 embeddings from the same forward's hidden states (see ``pooler``).
 
-An encoder model (BERT family) has no KV cache: each step computes whole prompts, as a
-padded batch through the model's own attention (``_execute_encoder``).
+An encoder model (BERT family) has no KV cache: each step computes whole prompts, as
+padded batches through the model's own attention (``_execute_encoder``, ``encoder``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from mpengine.config import EngineConfig
 from mpengine.envs import InjectedFault, fault_seqs, fault_steps
 from mpengine.executor.attention import BACKENDS, METADATA_KWARG, Backend, default_backend
+from mpengine.executor.encoder import Encoder
 from mpengine.executor.input_batch import InputBatch, StepInputs
 from mpengine.executor.kv_cache import (
     KVCacheSpec,
@@ -33,7 +34,7 @@ from mpengine.executor.kv_cache import (
     num_blocks_for,
 )
 from mpengine.executor.model_loader import LoadedModel, load_model
-from mpengine.executor.pooler import Pooler, finalize, padded_groups, pool_padded, token_rows
+from mpengine.executor.pooler import Pooler, finalize
 from mpengine.executor.sampler import PendingSample, Sampler, token_logprobs
 from mpengine.executor.slots import SlotState
 from mpengine.protocol import (
@@ -118,7 +119,10 @@ class Executor:
             if self.loaded.can_generate:
                 self.model.base_model.register_forward_hook(self._hidden_hook)
         self.graphs = self._capture_graphs()
-        self._call_tokens = self._calibrate_encoder() if self.loaded.is_encoder else 0.0
+        self.encoder: Encoder | None = None
+        if self.loaded.is_encoder:
+            self.encoder = Encoder(self.model, self.device, self.loaded.pooling.hidden_size)
+            self.encoder.calibrate(self.max_model_len)
         self.requests: dict[int, RequestParams] = {}  # by key, from plan to release
         self.fault_steps, self.fault_seqs = fault_steps(), fault_seqs()
         # The last step's phases: (name, perf_counter() when it began), in order, closed by
@@ -409,67 +413,13 @@ class Executor:
         if plan.step in self.fault_steps:
             raise InjectedFault(f"injected failure of step {plan.step} (MPENGINE_FAULT_STEPS)")
         self.marks.append(("forward", time.perf_counter()))
-        vectors = self._encode(token_ids, num_tokens, self.slots.pool_kind[slots])
+        assert self.encoder is not None
+        vectors = self.encoder.encode(token_ids, num_tokens, self.slots.pool_kind[slots])
         self.marks.append(("pool", time.perf_counter()))
         result.embeddings = self._finalize(vectors, slots)
         result.pooled_seq_ids = Array.of(seq_ids, "int64")
         self.marks.append(("finish", time.perf_counter()))
         return result
-
-    def _encode(
-        self, token_ids: np.ndarray, lengths: np.ndarray, kinds: np.ndarray
-    ) -> torch.Tensor:
-        """Pooled vectors ``[B, hidden]`` of the prompts ``token_ids`` (concatenated, of
-        ``lengths``), in order, computed in padded batches of similar lengths (see
-        ``padded_groups``)."""
-        offsets = np.cumsum(lengths) - lengths
-        out = torch.empty(len(lengths), self.loaded.pooling.hidden_size, device=self.device)
-        for index in padded_groups(lengths, self._call_tokens):
-            rows = token_rows(offsets[index], lengths[index])
-            pooled = self._encode_padded(token_ids[rows], lengths[index], kinds[index])
-            out.index_copy_(0, torch.from_numpy(index).to(self.device), pooled)
-        return out
-
-    def _encode_padded(
-        self, token_ids: np.ndarray, lengths: np.ndarray, kinds: np.ndarray
-    ) -> torch.Tensor:
-        width = int(lengths.max())
-        mask = np.arange(width)[None, :] < lengths[:, None]
-        ids = np.zeros((len(lengths), width), np.int64)
-        ids[mask] = token_ids
-        ids_t = torch.from_numpy(ids).to(self.device)
-        mask_t = torch.from_numpy(mask).to(self.device)
-        hidden = self.model(
-            input_ids=ids_t, attention_mask=mask_t.long(), token_type_ids=torch.zeros_like(ids_t)
-        ).last_hidden_state
-        lengths_t = torch.from_numpy(lengths).to(self.device)
-        return pool_padded(hidden, mask_t, lengths_t, kinds)
-
-    def _calibrate_encoder(self) -> float:
-        """What one more forward call costs, in padded tokens: time a call of one short
-        prompt (the fixed cost) and one of 8 x 64 tokens (the cost per token). Also warms
-        the model up."""
-
-        def seconds(batch: int, width: int) -> float:
-            ids = np.full(batch * width, 1, np.int64)
-            lengths = np.full(batch, width, np.int64)
-            kinds = np.zeros(batch, np.int8)
-            best = math.inf
-            for _ in range(3):
-                started = time.perf_counter()
-                self._encode_padded(ids, lengths, kinds).cpu()
-                best = min(best, time.perf_counter() - started)
-            return best
-
-        width = min(64, self.max_model_len)
-        with torch.inference_mode():
-            fixed = seconds(1, 1)
-            per_token = max(seconds(8, width) - fixed, 1e-9) / (8 * width)
-        call_tokens = fixed / per_token
-        logger.info(
-            "encoder forward: %.2f ms a call, worth %.0f padded tokens", 1e3 * fixed, call_tokens
-        )
-        return call_tokens
 
     def _sample(
         self, logits: torch.Tensor, slots: np.ndarray, contexts: np.ndarray
