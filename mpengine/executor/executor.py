@@ -265,10 +265,12 @@ class Executor:
             result.seq_ids = Array.of(seq_ids[sampled], "int64")
 
         # 6. pooling: fold the chunks in, finish the sequences whose last chunk ran
-        if pools and hidden is not None:
+        if pools:
             self.marks.append(("pool", time.perf_counter()))
             first = first_token
             try:
+                if hidden is None:
+                    raise RuntimeError("the model's forward kept no hidden states to pool")
                 self._pool(result, hidden, pool_kinds, slots, starts, num_tokens, first, pooled)
             except Exception as exc:
                 logger.exception("pooling failed in step %d", plan.step)
