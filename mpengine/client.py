@@ -1015,10 +1015,14 @@ class _ClientBase:
         streaming: bool = False,
     ) -> AddRequest:
         params = (params or SamplingParams()).validate()
-        if streaming and params.ranks_samples:
+        if streaming and not params.streams:
+            what = (
+                "beam search"
+                if params.use_beam_search
+                else f"best_of ({params.best_of}) > n ({params.n})"
+            )
             raise InvalidRequestError(
-                f"best_of ({params.best_of}) > n ({params.n}) cannot be streamed: the best "
-                "samples are known only when all have ended"
+                f"{what} cannot be streamed: the best samples are known only when all have ended"
             )
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = request_id or f"{self.client_id}-{next(self._ids)}"

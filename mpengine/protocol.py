@@ -122,6 +122,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
     skip_special_tokens: bool = True
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    # Beam search (transformers' ``generate(num_beams=beam_width, do_sample=False, ...)``):
+    # the n best of beam_width beams; deterministic, so the sampling knobs do not apply.
+    use_beam_search: bool = False
+    beam_width: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def __post_init__(self) -> None:
         if self.min_tokens > self.max_tokens:
@@ -135,19 +141,47 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
             raise ValueError(
                 f"stop strings have {total} characters in all; at most {MAX_STOP_TOTAL_CHARS}"
             )
-        for name in ("temperature", "repetition_penalty"):
+        for name in ("temperature", "repetition_penalty", "length_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite")
+        if self.use_beam_search:
+            width = self.beam_width or self.n
+            if self.n > width:
+                raise ValueError(f"n ({self.n}) must be at most beam_width ({width})")
+            unsupported = {
+                "best_of": self.best_of is not None,
+                "stop": bool(self.stop),
+                "min_tokens": self.min_tokens > 0,
+                "logprobs": self.logprobs is not None,
+                "prompt_logprobs": self.prompt_logprobs is not None,
+                "penalties": self.has_penalties,
+            }
+            named = [name for name, used in unsupported.items() if used]
+            if named:
+                raise ValueError(f"beam search does not support {', '.join(named)}")
 
     @property
     def num_samples(self) -> int:
-        """Sequences the request runs: ``best_of`` when given, else ``n``."""
+        """Sequences the request runs: its beams, else ``best_of`` when given, else ``n``."""
+        if self.use_beam_search:
+            return self.beam_width or self.n
         return self.best_of or self.n
 
     @property
     def ranks_samples(self) -> bool:
         """Whether only the best ``n`` of more samples are returned (they cannot stream)."""
-        return self.num_samples > self.n
+        return self.num_samples > self.n and not self.use_beam_search
+
+    @property
+    def streams(self) -> bool:
+        """Whether outputs can be streamed: not when ranked or searched (the results are
+        known only at the end)."""
+        return not self.ranks_samples and not self.use_beam_search
+
+    def beam_candidates(self, num_eos: int) -> int:
+        """Continuations kept per beam step (transformers': enough that ``beam_width``
+        remain once those ending in EOS are set aside)."""
+        return max(2, 1 + num_eos) * self.num_samples
 
     def for_executor(self) -> SamplingParams:
         """The parameters the executor needs: the same without stop strings (those are the
@@ -157,6 +191,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
         if self.ranks_samples and self.logprobs is None:
             changes["logprobs"] = 0
         return msgspec.structs.replace(self, **changes) if changes else self
+
+    def for_beam_executor(self, num_candidates: int) -> SamplingParams:
+        """A beam's executor parameters: greedy, with the top ``num_candidates`` logprobs
+        (the output processor selects the continuations)."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, logprobs=num_candidates)
 
     @property
     def greedy(self) -> bool:
@@ -551,6 +590,11 @@ class Feedback(msgspec.Struct, **_WIRE):
     token_ids: Array
     finished_seq_ids: list[int] = []
     finish_reasons: list[FinishReason] = []
+    # Beam search: after a beam step, beam ``beam_seq_ids[i]`` continues the sequence that
+    # ``beam_parents[i]`` was, extended by ``beam_tokens[i]``.
+    beam_seq_ids: Array = EMPTY_IDS  # int64
+    beam_parents: Array = EMPTY_IDS  # int64
+    beam_tokens: Array = EMPTY_IDS  # int32
     # The executor's and the output processor's running totals, as of this step.
     times: dict[str, StageTimes] = {}
 

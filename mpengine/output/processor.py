@@ -31,6 +31,7 @@ from struct import Struct
 import msgspec
 import numpy as np
 
+from mpengine.output.beams import BeamGroup
 from mpengine.output.detokenizer import Detokenizer, DetokenizerStream
 from mpengine.output.logprobs import concat_logprobs, join_logprobs, logprob_row
 from mpengine.output.stop import StopStrings, TextState
@@ -68,6 +69,7 @@ class _Request:
     # best_of > n: every sample's deltas are held until the last one ends, then the n with
     # the highest cumulative logprob are sent, as one final delta each.
     ranked: list[_Sequence] | None = None
+    beams: BeamGroup | None = None  # beam search: its state, decided here each step
 
 
 @dataclass(slots=True)
@@ -172,11 +174,14 @@ class OutputProcessor:
             seq = self._seqs.get(seq_id)
             if seq is None:
                 continue
-            delta = self._finish(seq, "error", None, now, self._drain(seq))
-            delta.error = error
-            outputs += self._emit(seq, delta)
-            finished_ids.append(seq_id)
-            reasons.append("error")
+            # A beam fails its whole search: the others would wait for it forever.
+            group = self._open_seqs(seq.request) if seq.request.beams is not None else [seq]
+            for member in group:
+                delta = self._finish(member, "error", None, now, self._drain(member))
+                delta.error = error
+                outputs += self._emit(member, delta)
+                finished_ids.append(member.seq_id)
+                reasons.append("error")
 
         # 3. sampled tokens
         seq_ids = result.seq_ids.numpy().tolist()
@@ -187,12 +192,29 @@ class OutputProcessor:
             rows = {pos: row for row, pos in enumerate(result.logprob_rows.numpy().tolist())}
         accepted_seqs: list[int] = []
         accepted_tokens: list[int] = []
+        beam_steps: list[tuple[_Request, np.ndarray, np.ndarray]] = []
         seqs = self._seqs
         for pos, (seq_id, token_id) in enumerate(zip(seq_ids, token_ids, strict=True)):
             seq = seqs.get(seq_id)
             if seq is None:  # finished, aborted or dropped: this token is never visible
                 continue
             request = seq.request
+            if request.beams is not None:
+                if logprobs is None or pos not in rows:
+                    continue  # (the executor always returns a beam's continuations)
+                row = rows[pos]
+                top_ids = logprobs.top_ids.numpy()[row]
+                if request.beams.report(seq.index, top_ids, logprobs.top_logprobs.numpy()[row]):
+                    parents, tokens = request.beams.step()
+                    if request.beams.done:
+                        for delta_seq, delta in self._finish_beams(request, now):
+                            finished_ids.append(delta_seq)
+                            reasons.append(delta.finish_reason or "stop")
+                            if delta.index < request.msg.sampling.n:  # type: ignore[union-attr]
+                                outputs.append((request.msg.client_id, delta))
+                    else:
+                        beam_steps.append((request, parents, tokens))
+                continue
             accepted_seqs.append(seq_id)
             accepted_tokens.append(token_id)
             delta = self._on_token(seq, token_id, now)
@@ -218,6 +240,14 @@ class OutputProcessor:
                     outputs += self._emit(seq, self._embedding(seq, vectors[row], now))
 
         # 5. feedback
+        beam_seq_ids: list[int] = []
+        beam_parents: list[int] = []
+        beam_tokens: list[int] = []
+        for request, parents, tokens in beam_steps:
+            ids = request.msg.seq_ids
+            beam_seq_ids += ids
+            beam_parents += [ids[p] for p in parents.tolist()]
+            beam_tokens += tokens.tolist()
         feedback = Feedback(
             step=result.step,
             seq_ids=Array("int64", (len(accepted_seqs),), array("q", accepted_seqs).tobytes()),
@@ -227,6 +257,10 @@ class OutputProcessor:
             finished_seq_ids=finished_ids,
             finish_reasons=reasons,
         )
+        if beam_seq_ids:
+            feedback.beam_seq_ids = Array.of(beam_seq_ids, "int64")
+            feedback.beam_parents = Array.of(beam_parents, "int64")
+            feedback.beam_tokens = Array.of(beam_tokens, "int32")
         return feedback, outputs
 
     # -- per sequence --------------------------------------------------------------------
@@ -306,6 +340,35 @@ class OutputProcessor:
             self._attach_prompt_logprobs(seq, delta)
         return delta
 
+    def _finish_beams(self, request: _Request, now: float) -> list[tuple[int, OutputDelta]]:
+        """A finished beam search: every beam's sequence closes; the first ``n`` carry the
+        best hypotheses, whole (text decoded at once), scored by their penalised logprob."""
+        beams = request.beams
+        assert beams is not None and request.msg.sampling is not None
+        sampling = request.msg.sampling
+        best = beams.best(sampling.n)
+        out = []
+        for seq in self._open_seqs(request):
+            if seq.index >= len(best):
+                out.append((seq.seq_id, self._finish(seq, "stop", None, now, "")))
+                continue
+            hypothesis = best[seq.index]
+            ids = hypothesis.token_ids
+            last = int(ids[-1]) if len(ids) else -1
+            stopped = last in request.stop_ids
+            stream = self.detokenizer.stream(sampling.skip_special_tokens)
+            kept = ids if (not stopped or request.include_stop) else ids[:-1]
+            text = "".join(stream.push(int(t)) for t in kept) + stream.flush()
+            stop_reason = last if stopped and last not in request.eos_ids else None
+            delta = self._finish(
+                seq, "stop" if stopped else "length", stop_reason, now, text, Array.of(ids)
+            )
+            delta.cumulative_logprob = hypothesis.score
+            seq.first_token_time = seq.first_token_time or now
+            out.append((seq.seq_id, delta))
+        request.beams = None
+        return out
+
     def _embedding(self, seq: _Sequence, vector: np.ndarray, now: float) -> OutputDelta:
         """A pooling request ends with its one embedding, cut to its ``dimensions``."""
         seq.first_token_time = now
@@ -319,6 +382,9 @@ class OutputProcessor:
         """What a sequence's delta sends: itself, or for a ranked request nothing until its
         last sample ends, then the best ``n``."""
         request = seq.request
+        sampling = request.msg.sampling
+        if sampling is not None and sampling.use_beam_search and delta.index >= sampling.n:
+            return []  # a beam past the n returned (aborted, or failed)
         if request.ranked is None:
             return [(request.msg.client_id, delta)]
         seq.held.append(delta)
@@ -371,6 +437,8 @@ class OutputProcessor:
             request.prompt_logprobs_due = sampling.prompt_logprobs is not None
             if sampling.ranks_samples:
                 request.ranked = []
+            if sampling.use_beam_search:
+                request.beams = BeamGroup(sampling, request.max_tokens, request.stop_ids)
         key = (msg.client_id, msg.request_id)
         if key in self._requests:
             # The scheduler rejects duplicate ids; never let one clobber a live request.

@@ -66,6 +66,8 @@ class Sequence:
         """Whether a step could compute something for it now."""
         if self.request.pooling is not None:
             return self.num_computed < len(self)  # a prompt, computed to its last token
+        if self.num_inflight and self.request.beam_search:
+            return False  # a beam's next token comes from the beam step, not its sample
         if self.num_computed < len(self) - 1:
             return True  # prompt or recompute left
         return self.num_computed == len(self) - 1 and self.num_outputs < self.request.max_tokens
@@ -87,6 +89,10 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     announced: bool = False
     params_sent: bool = False  # the executor holds its RequestParams
+
+    @property
+    def beam_search(self) -> bool:
+        return self.sampling is not None and self.sampling.use_beam_search
 
     @property
     def wants_prompt_logprobs(self) -> bool:

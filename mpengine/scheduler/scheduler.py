@@ -40,6 +40,7 @@ import numpy as np
 from mpengine.config import EngineConfig
 from mpengine.limits import ABORT_CHUNK_BYTES, MAX_RELEASED_PER_PLAN, FrameLimits
 from mpengine.protocol import (
+    MAX_LOGPROBS,
     AbortRequests,
     AddRequest,
     Announcement,
@@ -84,7 +85,9 @@ class Scheduler:
         pooling: PoolingInfo | None = None,
         can_generate: bool = True,
         num_host_blocks: int = 0,
+        eos_token_ids: list[int] | None = None,
     ) -> None:
+        self.eos_token_ids = list(eos_token_ids or [])
         self.pooling = pooling  # None: the model cannot embed
         self.can_generate = can_generate
         self.encoder = pooling is not None and pooling.is_encoder  # whole prompts, no blocks
@@ -103,6 +106,8 @@ class Scheduler:
         self.free_host_blocks: deque[int] = deque(range(num_host_blocks if self.swap else 0))
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
+        # Block-table rows rewritten between plans (beams continuing other beams).
+        self._table_updates: list[tuple[int, int, int]] = []
         self.requests: dict[tuple[str, str], Request] = {}  # by (client id, request id)
         self.num_waiting_requests = 0  # the queue also holds aborted ones, skipped later
         self.num_waiting_tokens = 0
@@ -147,6 +152,7 @@ class Scheduler:
             model.pooling,
             model.can_generate,
             model.num_host_blocks,
+            model.eos_token_ids,
         )
 
     # -- requests -------------------------------------------------------------------------
@@ -166,6 +172,11 @@ class Scheduler:
             max_tokens = 0
         else:
             assert sampling is not None
+            if sampling.use_beam_search and sampling.num_samples == 1:
+                # One beam is greedy search (as transformers' generate(num_beams=1) is).
+                sampling = msgspec.structs.replace(
+                    sampling, use_beam_search=False, beam_width=None, temperature=0.0
+                )
             max_tokens = self._check(prompt, sampling)
         if self.num_waiting_requests >= self.max_waiting_requests:
             raise RequestRejected(
@@ -281,6 +292,13 @@ class Scheduler:
                     f"sampling.stop_token_ids: token id {token_id} is outside the vocabulary "
                     f"(0..{self.vocab_size - 1})"
                 )
+        if sampling.use_beam_search:
+            num_candidates = sampling.beam_candidates(len(self._beam_stop_ids(sampling)))
+            if num_candidates > MAX_LOGPROBS:
+                raise RequestRejected(
+                    f"sampling.beam_width: beam search keeps {num_candidates} continuations "
+                    f"per step here, at most {MAX_LOGPROBS} are supported"
+                )
         if sampling.num_samples > self.max_num_seqs:
             field = "best_of" if sampling.best_of else "n"
             raise RequestRejected(
@@ -299,6 +317,11 @@ class Scheduler:
                 "too_large",
             )
         return max_tokens
+
+    def _beam_stop_ids(self, sampling: SamplingParams) -> set[int]:
+        """The tokens that end a beam: EOS (unless ignored) and the stop token ids."""
+        eos = set() if sampling.ignore_eos else set(self.eos_token_ids)
+        return eos | set(sampling.stop_token_ids)
 
     def abort(self, client_id: str, request_ids: list[str]) -> None:
         """Drop a client's requests at this safe point (between plans); ids the client does
@@ -361,6 +384,8 @@ class Scheduler:
             seq.num_inflight -= 1
             self.counters["generated_tokens"] += 1
             assert seq.num_inflight >= 0, f"seq {seq_id}: more tokens than planned"
+        if len(feedback.beam_seq_ids):
+            self._continue_beams(feedback)
         for seq_id, reason in zip(feedback.finished_seq_ids, feedback.finish_reasons, strict=True):
             seq = self.seqs.get(seq_id)
             if seq is None:
@@ -371,6 +396,49 @@ class Scheduler:
                 self._finish(seq)
         self.done = max(self.done, feedback.step)
         self._release_done()
+
+    def _continue_beams(self, feedback: Feedback) -> None:
+        """A beam step was decided: each beam now continues a parent beam's tokens plus one.
+        The first child of a parent takes over all the parent's blocks; other children
+        share its full blocks and recompute the rest (fewer than ``block_size`` tokens), so
+        no block is ever copied. New references are taken before the old ones are dropped."""
+        children = list(
+            zip(
+                feedback.beam_seq_ids.numpy().tolist(),
+                feedback.beam_parents.numpy().tolist(),
+                feedback.beam_tokens.numpy().tolist(),
+                strict=True,
+            )
+        )
+        seqs = self.seqs
+        if any(seqs.get(i) is None or seqs.get(p) is None for i, p, _ in children):
+            return  # the group was aborted meanwhile
+        old = {
+            seq_id: (seq.token_ids, seq.block_ids, seq.num_computed, seq.block_hashes)
+            for seq_id, seq in ((i, seqs[i]) for i, _, _ in children)
+        }
+        bs = self.blocks.block_size
+        owners: set[int] = set()
+        for seq_id, parent, token in children:
+            seq = seqs[seq_id]
+            tokens, blocks, computed, hashes = old[parent]
+            seq.token_ids = [*tokens, token]  # the parent's confirmed tokens and the new one
+            seq.num_inflight = 0  # (its own sample is dropped)
+            if seq.status is not Status.RUNNING:  # preempted meanwhile: it will recompute
+                seq.block_ids, seq.num_computed, seq.block_hashes = [], 0, []
+            elif parent not in owners:
+                owners.add(parent)
+                seq.block_ids, seq.num_computed = self.blocks.share(blocks), computed
+            else:
+                keep = computed // bs
+                seq.block_ids, seq.num_computed = self.blocks.share(blocks[:keep]), keep * bs
+            seq.block_hashes = list(hashes[: seq.num_computed // bs])
+            seq.num_registered = 0  # registering again is a no-op for named blocks
+            if seq.slot >= 0:
+                self._table_updates += [(seq.slot, i, b) for i, b in enumerate(seq.block_ids)]
+            self.counters["generated_tokens"] += 1
+        for _, blocks, _, _ in old.values():
+            self.blocks.free(blocks)
 
     # -- the step -------------------------------------------------------------------------
 
@@ -388,7 +456,7 @@ class Scheduler:
         self._prompt_logprob_tokens = self.limits.max_prompt_logprob_tokens
         chunks: list[tuple[Sequence, int]] = []
         starts: list[SeqStart] = []
-        block_deltas: list[tuple[int, int, int]] = []
+        block_deltas, self._table_updates = self._table_updates, []
         preempted_now = False
 
         # 1. running sequences, oldest first
@@ -453,16 +521,20 @@ class Scheduler:
         # Resume preempted sequences first (their in-flight tokens must be confirmed: the
         # recompute needs every token id).
         while self.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.preempted[0]
-            if seq.num_inflight:
+            # The oldest that can resume: one with a token still in flight waits for it
+            # (a beam, for its whole beam step), without holding up the others.
+            seq = next((s for s in self.preempted if not s.num_inflight), None)
+            if seq is None:
                 break
             if seq.host_block_ids:
                 num_tokens, need = self._swap_in_place(seq, budget)
             else:
                 num_tokens, need = self._place(seq, budget, 0, 0)
             if num_tokens == 0:
+                if self._preempt_waiting_beam():
+                    continue  # its blocks may be enough now
                 break
-            self.preempted.popleft()
+            self.preempted.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             self._grow(seq, need, block_deltas)
@@ -500,6 +572,17 @@ class Scheduler:
             budget -= num_tokens
             logger.debug("step %d: admitted %s", step, request.request_id)
         return budget
+
+    def _preempt_waiting_beam(self) -> bool:
+        """Preempt the most recent running beam that holds blocks while it waits for its
+        beam step (it computed its last token; its group waits on beams that cannot run):
+        without this, such beams can hold every block while the ones their step needs are
+        preempted, and no one moves. True if one was preempted."""
+        for victim in reversed(self.running):
+            if victim.block_ids and victim.num_inflight and victim.request.beam_search:
+                self._preempt(victim)
+                return True
+        return False
 
     def _place(self, seq: Sequence, budget: int, extra_bytes: int, reserve: int) -> tuple[int, int]:
         """Make room for a sequence without blocks (admitted or resumed): reuse its longest
@@ -655,7 +738,7 @@ class Scheduler:
                 RequestParams(
                     key=request.key,
                     num_prompt_tokens=request.num_prompt_tokens,
-                    sampling=sampling.for_executor() if sampling is not None else None,
+                    sampling=self._executor_sampling(sampling),
                     pooling=request.pooling,
                     prompt_token_ids=(
                         Array.of(request.prompt_token_ids)
@@ -670,6 +753,14 @@ class Scheduler:
         scores = request.wants_prompt_logprobs and first_prefill
         starts.append(SeqStart(seq.slot, seq.seq_id, request.key, seq.sample_index, scores))
         block_deltas += [(seq.slot, i, b) for i, b in enumerate(seq.block_ids)]
+
+    def _executor_sampling(self, sampling: SamplingParams | None) -> SamplingParams | None:
+        if sampling is None:
+            return None
+        if sampling.use_beam_search:
+            candidates = sampling.beam_candidates(len(self._beam_stop_ids(sampling)))
+            return sampling.for_beam_executor(candidates)
+        return sampling.for_executor()
 
     def _plan(
         self,
@@ -782,6 +873,7 @@ class Scheduler:
             or not num_blocks
             or num_blocks > len(self.free_host_blocks)
             or request.pooling is not None
+            or request.beam_search  # another beam may continue it meanwhile
             or (request.sampling is not None and request.sampling.has_penalties)
             or 8 * num_blocks > self._extra_bytes
         ):

@@ -43,6 +43,11 @@ async def create_completion(
         raise bad_request("suffix is not supported", "suffix")
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    if body.stream and body.use_beam_search:
+        raise bad_request(
+            "beam search cannot be streamed: the best beams are known only at the end",
+            "use_beam_search",
+        )
     if body.stream and body.best_of is not None and body.best_of > body.n:
         raise bad_request(
             f"best_of ({body.best_of}) > n ({body.n}) cannot be streamed: the best samples "

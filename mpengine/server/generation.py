@@ -78,7 +78,7 @@ class Generation:
         self.prompts = prompts
         self.params = params
         self.trackers = [state.metrics.tracker(len(p), params.n) for p in prompts]
-        read = self._ranked if params.ranks_samples else state.client.stream
+        read = state.client.stream if params.streams else self._ranked
         self.streams = [
             read(prompt, params, request_id=f"{request_id}-{index}")
             for index, prompt in enumerate(prompts)
@@ -157,7 +157,7 @@ class Generation:
                 index, delta = item
                 result = results[index]
                 result.samples[delta.outputs[0].index].add(delta)
-                if self.params.ranks_samples:
+                if not self.params.streams:
                     result.num_generated += delta.num_generated_tokens
                 else:
                     result.num_generated += len(delta.outputs[0].token_ids)

@@ -50,6 +50,10 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's beam search: best_of (else n) beams, the n best returned.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def sampling_params(
         self,
@@ -74,6 +78,14 @@ class SamplingFields(BaseModel):
             "prompt_logprobs": prompt_logprobs,
             "best_of": best_of,
         }
+        if self.use_beam_search:
+            fields.update(
+                use_beam_search=True,
+                beam_width=best_of or self.n,
+                best_of=None,
+                length_penalty=self.length_penalty,
+                early_stopping=self.early_stopping,
+            )
         optional = {
             "temperature": self.temperature,
             "top_p": self.top_p,

@@ -274,6 +274,27 @@ def test_best_of_returns_the_best_n_and_counts_every_sample(api: openai.OpenAI) 
     assert caught.value.body["param"] == "best_of"
 
 
+def test_beam_search_equals_the_client_library(api: openai.OpenAI, ipc: mpengine.Client) -> None:
+    reply = api.completions.create(
+        model="tiny",
+        prompt=[5, 6, 7, 8],
+        max_tokens=6,
+        n=2,
+        best_of=4,  # vLLM's beam width
+        extra_body={"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True},
+    )
+    params = SamplingParams(
+        max_tokens=6, n=2, use_beam_search=True, beam_width=4, length_penalty=0.5
+    )
+    expected = ipc.generate([5, 6, 7, 8], params, timeout=60)
+    got = [c.model_extra["token_ids"] for c in sorted(reply.choices, key=lambda c: c.index)]
+    assert got == [o.token_ids for o in expected.outputs]
+    with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
+        api.completions.create(
+            model="tiny", prompt="a", stream=True, extra_body={"use_beam_search": True}
+        )
+
+
 def test_logprobs_and_echo(api: openai.OpenAI, server: Served) -> None:
     ids = tokenize(server, prompt="Once upon")
     reply = api.completions.create(

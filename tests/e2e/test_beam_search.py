@@ -1,0 +1,107 @@
+"""Beam search against transformers' ``generate(num_beams=W, do_sample=False, ...)``.
+
+Exact tokens for beam widths 1, 2, 4 and 8 on each built-in causal model, with length
+penalties and every ``early_stopping`` mode, the ``n`` best returned in order; scores equal
+transformers' ``sequences_scores`` to float32 rounding. A small KV cache makes beams
+preempt each other. Beams continuing other beams share their full blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from mpengine import InvalidRequestError, SamplingParams
+from mpengine.testing.engine import wait_idle
+from mpengine.testing.tiny import resolve_model
+
+TIMEOUT = 300.0
+PROMPTS = [[10, 20, 30, 40, 50], list(range(100, 137)), [7], list(range(60, 80))]
+# (beam width, n, length_penalty, early_stopping)
+CASES = [(1, 1, 1.0, False), (2, 2, 1.0, False), (4, 2, 0.5, True), (8, 3, 2.0, "never")]
+MAX_TOKENS = 12
+
+
+@functools.cache
+def hf_model(name: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(resolve_model(name)).eval()
+
+
+def hf_beams(name: str, prompt: list[int], width: int, n: int, penalty: float, early) -> tuple:
+    model = hf_model(name)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            num_beams=width,
+            num_return_sequences=n,
+            do_sample=False,
+            max_new_tokens=MAX_TOKENS,
+            length_penalty=penalty,
+            early_stopping=early,
+            pad_token_id=model.generation_config.pad_token_id or 0,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    sequences = []
+    for row in out.sequences[:, len(prompt) :].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        sequences.append(row[:end])  # transformers pads after EOS
+    scores = out.sequences_scores.tolist() if width > 1 else None
+    return sequences, scores
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-llama", "tiny-gpt2"])
+def engine(request, start_engine):
+    # 32 blocks of 4 tokens: beams share their prompt blocks, but two requests of 8 beams
+    # of up to 49 tokens do not fit at once, so beams preempt each other.
+    return request.param, start_engine(
+        model=request.param, block_size=4, num_gpu_blocks_override=32, max_num_seqs=16
+    )
+
+
+@pytest.mark.parametrize(("width", "n", "penalty", "early"), CASES)
+def test_equals_transformers(engine, width, n, penalty, early):
+    name, eng = engine
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS,
+        use_beam_search=True,
+        beam_width=width,
+        n=n,
+        length_penalty=penalty,
+        early_stopping=early,
+    )
+    with eng.client(timeout=TIMEOUT) as client:
+        outs = client.generate_many(PROMPTS, params, timeout=TIMEOUT)
+        stats = wait_idle(client)  # the last beam steps' feedback may still be on its way
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        sequences, scores = hf_beams(name, prompt, width, n, penalty, early)
+        assert [o.token_ids for o in out.outputs] == sequences, (name, width, prompt)
+        if scores is not None:
+            got = [o.cumulative_logprob for o in out.outputs]
+            assert got == pytest.approx(scores, abs=1e-5)
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+    if width == 8:
+        assert stats.preemptions > 0, "8 beams of these prompts do not fit the KV cache at once"
+
+
+def test_beam_search_is_not_streamed_and_is_checked(engine):
+    _, eng = engine
+    with eng.client(timeout=TIMEOUT) as client:
+        beams = SamplingParams(max_tokens=4, use_beam_search=True, beam_width=2)
+        with pytest.raises(InvalidRequestError, match="cannot be streamed"):
+            next(client.stream([1, 2, 3], beams))
+        for bad in ({"stop": ["x"]}, {"logprobs": 1}, {"n": 3}):
+            with pytest.raises(ValueError, match="beam"):
+                SamplingParams(max_tokens=4, use_beam_search=True, beam_width=2, **bad).validate()
+        # Still serving, and the blocks all came back.
+        assert client.generate([1, 2, 3], beams, timeout=TIMEOUT).outputs[0].token_ids
+        stats = wait_idle(client)
+        assert stats.num_free_blocks == stats.num_blocks
