@@ -364,6 +364,7 @@ class OutputProcessor:
                 seq, "stop" if stopped else "length", stop_reason, now, text, Array.of(ids)
             )
             delta.cumulative_logprob = hypothesis.score
+            delta.num_generated_tokens = len(ids)  # what usage counts: the returned beams
             seq.first_token_time = seq.first_token_time or now
             out.append((seq.seq_id, delta))
         request.beams = None

@@ -289,6 +289,7 @@ def test_beam_search_equals_the_client_library(api: openai.OpenAI, ipc: mpengine
     expected = ipc.generate([5, 6, 7, 8], params, timeout=60)
     got = [c.model_extra["token_ids"] for c in sorted(reply.choices, key=lambda c: c.index)]
     assert got == [o.token_ids for o in expected.outputs]
+    assert reply.usage.completion_tokens == sum(len(ids) for ids in got) > 0
     with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
         api.completions.create(
             model="tiny", prompt="a", stream=True, extra_body={"use_beam_search": True}
