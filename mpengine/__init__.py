@@ -3,18 +3,16 @@ OS processes, in lockstep over shared-memory rings."""
 
 __version__ = "0.1.0"
 
-from mpengine.client import (
-    AsyncClient,
-    Client,
+from mpengine.client import AsyncClient, Client, CompletionOutput, EmbeddingOutput, RequestOutput
+from mpengine.config import EngineConfig
+from mpengine.errors import (
     ClientClosedError,
-    CompletionOutput,
-    EmbeddingOutput,
+    EngineDeadError,
+    EngineStartError,
     InvalidRequestError,
     RequestFailedError,
-    RequestOutput,
 )
-from mpengine.config import EngineConfig
-from mpengine.launch import Engine, EngineDeadError, EngineStartError, launch
+from mpengine.launch import Engine, launch
 from mpengine.protocol import PoolingParams, SamplingParams
 
 __all__ = [

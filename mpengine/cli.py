@@ -158,7 +158,7 @@ def pooling_from_args(args: argparse.Namespace):
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
-    from mpengine.client import InvalidRequestError
+    from mpengine.errors import InvalidRequestError
     from mpengine.launch import Engine
 
     params = pooling_from_args(args)

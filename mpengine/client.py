@@ -55,7 +55,13 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from mpengine.launch import EngineDeadError
+from mpengine.errors import (
+    ClientClosedError,
+    EngineDeadError,
+    InvalidRequestError,
+    ProtocolError,
+    RequestFailedError,
+)
 from mpengine.protocol import (
     Abort,
     AddRequest,
@@ -99,31 +105,6 @@ _MONITOR_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 _WILDCARD_HOSTS = {"", "*", "0.0.0.0", "[::]", "::", "[*]"}
-
-
-# -- errors ----------------------------------------------------------------------------------
-
-
-class InvalidRequestError(ValueError):
-    """The engine rejected a request (bad prompt or parameters, overloaded...); it keeps
-    serving the others. ``kind`` is the engine's reason (``RequestError.kind``)."""
-
-    def __init__(self, message: str, kind: str = "invalid") -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-class RequestFailedError(RuntimeError):
-    """An embedding request ended without its embedding (its step failed, or it was
-    aborted); the message says why."""
-
-
-class ClientClosedError(RuntimeError):
-    """The client was closed (or dropped) while the request was pending, or used after."""
-
-
-class ProtocolError(RuntimeError):
-    """A frame from the engine could not be decoded (client and engine versions differ?)."""
 
 
 # -- outputs ---------------------------------------------------------------------------------

@@ -46,7 +46,9 @@ from pathlib import Path
 
 import msgspec
 
+from mpengine.client import AsyncClient, Client
 from mpengine.config import EngineConfig
+from mpengine.errors import EngineStartError
 from mpengine.protocol import (
     ModelInfo,
     StageFailed,
@@ -79,14 +81,6 @@ STAGE_ENTRY = (
     "from mpengine.runtime.stage import main\n"
     "main()\n"
 )
-
-
-class EngineStartError(RuntimeError):
-    """The engine could not start: a stage failed, or its address is unsafe or in use."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine stopped while requests were in flight."""
 
 
 def sweep_stale_runtime_dirs() -> list[str]:
@@ -403,16 +397,12 @@ class Engine:
         return {name: p.pid for name, p in self.processes.items() if p.pid is not None}
 
     def client(self, **kwargs):
-        from mpengine.client import Client
-
         kwargs.setdefault("auth_token", self.config.auth_token)
         client = Client(self.address, **kwargs)
         self.on_death(client._engine_died)
         return client
 
     def async_client(self, **kwargs):
-        from mpengine.client import AsyncClient
-
         kwargs.setdefault("auth_token", self.config.auth_token)
         client = AsyncClient(self.address, **kwargs)
         self.on_death(client._engine_died)

@@ -15,8 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from mpengine.client import ClientClosedError, InvalidRequestError
-from mpengine.launch import EngineDeadError
+from mpengine.errors import ClientClosedError, EngineDeadError, InvalidRequestError
 from mpengine.server.schemas import ErrorInfo, ErrorResponse
 
 _TYPES = {

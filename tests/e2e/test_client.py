@@ -26,7 +26,8 @@ import pytest
 import zmq
 
 import mpengine
-from mpengine.client import ClientClosedError, ProtocolError, abort_frames, output_address
+from mpengine.client import abort_frames, output_address
+from mpengine.errors import ClientClosedError, ProtocolError
 from mpengine.protocol import (
     PROTOCOL_VERSION,
     Abort,

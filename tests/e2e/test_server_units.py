@@ -9,8 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from mpengine.client import InvalidRequestError
-from mpengine.launch import EngineDeadError
+from mpengine.errors import EngineDeadError, InvalidRequestError
 from mpengine.metrics import ServerMetrics
 from mpengine.protocol import EngineStats
 from mpengine.server.errors import APIError, field_of, from_engine

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpengine.client import RequestFailedError, _Assembly
+from mpengine.client import _Assembly
+from mpengine.errors import RequestFailedError
 from mpengine.protocol import EMPTY_IDS, AddRequest, Array, OutputDelta, PoolingParams
 
 
