@@ -15,7 +15,7 @@ boundaries are enforced here, from an :class:`AttentionMetadata` built once per 
 Each layer makes one attention call that reads and writes the cache (no loop over
 sequences or lengths). Backends, chosen by device type (:func:`default_backend`):
 
-* ``torch`` (CPU, and the reference): ``index_copy_`` + SDPA over gathered blocks, decodes
+* ``torch`` (CPU, and the reference): ``index_copy_`` + attention over gathered blocks, decodes
   and prefill chunks in one call each (see ``torch_attention``);
 * ``triton`` (CUDA): one kernel launch per layer that reads the cache in place through the
   block table, safe to capture in a CUDA graph (see ``triton_attention``).
@@ -89,7 +89,7 @@ def build_metadata(
         num_tokens=num_tokens,
         max_context=int(contexts.max()) if len(contexts) else 0,
         decode_only=num_tokens == len(contexts),
-        torch_plan=torch_attention.plan_step(layout, slot_mapping.device, workspace)
+        torch_plan=torch_attention.plan_step(layout, kv_caches[0], workspace)
         if backend == "torch" and num_tokens
         else None,
     )

@@ -127,7 +127,7 @@ WORKSPACE = torch_attention.Workspace()
 def run_torch(
     batch: Batch, workspace: torch_attention.Workspace | None = WORKSPACE
 ) -> torch.Tensor:
-    plan = torch_attention.plan_step(batch.layout, torch.device("cpu"), workspace)
+    plan = torch_attention.plan_step(batch.layout, batch.cache, workspace)
     cache = batch.cache.clone()
     out = torch_attention.attend(
         plan,
@@ -171,10 +171,10 @@ def test_torch_backend_matches_reference(
 
 def test_uneven_decodes_pick_the_chunked_layout() -> None:
     """One long decode among short ones reads each sequence's blocks, not padded rows."""
-    layout = make_batch([1000] + [20] * 15, [1] * 16, 2, 2, 32, 16).layout
-    assert torch_attention.plan_step(layout, torch.device("cpu")).decode.seq_of_chunk is not None
-    even = make_batch([500] * 16, [1] * 16, 2, 2, 32, 16).layout
-    assert torch_attention.plan_step(even, torch.device("cpu")).decode.seq_of_chunk is None
+    uneven = make_batch([1000] + [20] * 15, [1] * 16, 2, 2, 32, 16)
+    assert torch_attention.plan_step(uneven.layout, uneven.cache).decode.seq_of_chunk is not None
+    even = make_batch([500] * 16, [1] * 16, 2, 2, 32, 16)
+    assert torch_attention.plan_step(even.layout, even.cache).decode.seq_of_chunk is None
 
 
 class _Layer(torch.nn.Module):
