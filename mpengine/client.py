@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import os
@@ -1091,13 +1090,14 @@ class Client(_ClientBase):
     ) -> list[RequestOutput]:
         """Submit every prompt at once (so they batch); return the outputs in order. After
         ``timeout`` seconds (for all of them) abort the unfinished and raise ``TimeoutError``."""
-        params = _per_prompt(params, SamplingParams, len(prompts))
-        ids = request_ids or [None] * len(prompts)
-        requests = [
-            functools.partial(self._request, prompt, p, rid)
-            for prompt, p, rid in zip(prompts, params, ids, strict=True)
-        ]
-        return [r.assembly.output for r in self._run_all(requests, timeout)]
+        requests = self._run_many(
+            self._request,
+            prompts,
+            _per_prompt(params, SamplingParams, len(prompts)),
+            request_ids,
+            timeout,
+        )
+        return [r.assembly.output for r in requests]
 
     def embed(
         self,
@@ -1121,24 +1121,36 @@ class Client(_ClientBase):
     ) -> list[EmbeddingOutput]:
         """Submit every input at once (so they batch); return the embeddings in order. A bad
         input raises ``InvalidRequestError`` (the others are aborted)."""
-        params = _per_prompt(params, PoolingParams, len(prompts))
-        ids = request_ids or [None] * len(prompts)
-        requests = [
-            functools.partial(self._embed_request, prompt, p, rid)
-            for prompt, p, rid in zip(prompts, params, ids, strict=True)
-        ]
-        return [r.assembly.embedding_output() for r in self._run_all(requests, timeout)]
+        requests = self._run_many(
+            self._embed_request,
+            prompts,
+            _per_prompt(params, PoolingParams, len(prompts)),
+            request_ids,
+            timeout,
+        )
+        return [r.assembly.embedding_output() for r in requests]
 
-    def _run_all(
-        self, makes: Sequence[Callable[[], AddRequest]], timeout: float | None
+    def _run_many(
+        self,
+        make: Callable[[Prompt, Any, str | None], AddRequest],
+        prompts: Sequence[Prompt],
+        params: list,
+        request_ids: Sequence[str | None] | None,
+        timeout: float | None,
     ) -> list[_SyncRequest]:
-        """Submit the requests ``makes`` build, wait for all of them to finish (one deadline
-        for all); on any error or the deadline abort the unfinished."""
+        """Submit ``make(prompt, params, request id)`` for every prompt, wait for all of them
+        to finish (one deadline for all); on any error or the deadline abort the unfinished."""
+        ids = request_ids or [None] * len(prompts)
+        if not len(params) == len(ids) == len(prompts):
+            raise ValueError(
+                f"{len(prompts)} prompts, {len(params)} parameter sets and {len(ids)} request "
+                "ids: give one of each per prompt"
+            )
         deadline = _Deadline(timeout)
         requests: list[_SyncRequest] = []
         try:
-            for make in makes:
-                requests.append(_SyncRequest(self._conn, make()))
+            for prompt, p, rid in zip(prompts, params, ids, strict=True):
+                requests.append(_SyncRequest(self._conn, make(prompt, p, rid)))
             for r in requests:
                 r.result(deadline)
             return requests

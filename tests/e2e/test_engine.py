@@ -202,6 +202,12 @@ def test_client_side_validation_names_the_field(client):
         client.generate(PROMPT, SamplingParams(top_p=0.0))
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=2)
+    params = [SamplingParams(max_tokens=2)] * 2
+    with pytest.raises(ValueError, match="3 prompts, 2 parameter sets"):
+        client.generate_many([PROMPT] * 3, params)
+    with pytest.raises(ValueError, match="1 request ids"):
+        client.embed_many([PROMPT] * 2, request_ids=["a"])
+    assert client.generate(PROMPT, SamplingParams(max_tokens=2)).outputs[0].token_ids
 
 
 def test_abort_unknown_id_and_garbage_frames_are_harmless(engine, client):
