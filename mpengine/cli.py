@@ -16,6 +16,12 @@ import typing
 import msgspec
 
 from mpengine.config import HELP, EngineConfig
+from mpengine.errors import (
+    EngineDeadError,
+    EngineStartError,
+    InvalidRequestError,
+    RequestFailedError,
+)
 from mpengine.runtime.diagnose import add_stacks_args, add_top_args, cmd_stacks, cmd_top
 from mpengine.server.options import add_serve_args
 
@@ -158,7 +164,6 @@ def pooling_from_args(args: argparse.Namespace):
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
-    from mpengine.errors import InvalidRequestError
     from mpengine.launch import Engine
 
     params = pooling_from_args(args)
@@ -171,10 +176,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
                 "model, or --pooling last|mean|cls to pool a generation model's hidden states)"
             )
         start = time.perf_counter()
-        try:
-            outputs = client.embed_many(args.text, params)
-        except InvalidRequestError as exc:
-            raise SystemExit(f"mpengine: the engine refused the request: {exc}") from None
+        outputs = client.embed_many(args.text, params)
         elapsed = time.perf_counter() - start
     for index, out in enumerate(outputs):
         record = {
@@ -272,8 +274,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; what users cause (a refused request, an engine that cannot start or
+    died, an address nobody serves) is one line on stderr and exit status 1, not a
+    traceback."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except InvalidRequestError as exc:
+        print(f"mpengine: the engine refused the request: {exc}", file=sys.stderr)
+    except (EngineStartError, EngineDeadError, RequestFailedError, ConnectionError) as exc:
+        print(f"mpengine: {exc}", file=sys.stderr)
+    except TimeoutError as exc:
+        print(f"mpengine: timed out: {exc}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

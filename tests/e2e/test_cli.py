@@ -14,7 +14,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import mpengine
-from mpengine.cli import build_parser
+from mpengine.cli import build_parser, main
 from mpengine.config import EngineConfig
 from mpengine.testing.tiny import resolve_model
 
@@ -75,6 +75,17 @@ def test_embed_prints_embeddings():
     bad = [sys.executable, "-m", "mpengine.cli", "embed", "--dimensions", "0", "x"]
     done = subprocess.run(bad, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "dimensions" in done.stderr
+
+
+def test_refused_requests_and_unreachable_engines_fail_in_one_line(tmp_path, capsys):
+    argv = ["generate", "--model", "tiny", "--prompt", "", "--runtime", "serial"]
+    assert main([*argv, "--log-level", "WARNING"]) == 1
+    err = capsys.readouterr().err
+    assert "mpengine: the engine refused the request: the prompt is empty" in err
+    assert "Traceback" not in err
+    assert main(["stats", f"ipc://{tmp_path}/nobody", "--timeout", "0.5"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mpengine: no answer from an engine at ipc://") and "Traceback" not in err
 
 
 def test_bad_flags_fail_clearly():
