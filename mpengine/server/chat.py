@@ -66,11 +66,14 @@ async def create_chat_completion(
             f"{state.info.max_model_len} and at least one must be left to generate",
             "messages",
         )
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
     if max_tokens is None:
         max_tokens = state.info.max_model_len - len(prompt)
+    else:
+        state.check_context([prompt], max_tokens, param)
     num_top = body.top_logprobs or 0
     try:
         params = body.sampling_params(max_tokens, num_top if body.logprobs else None)

@@ -55,7 +55,11 @@ async def create_completion(
             "best_of",
         )
     texts, prompts = _prompts(state, body.prompt)
-    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    if body.max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    else:
+        max_tokens = body.max_tokens
+        state.check_context(prompts, max_tokens, "max_tokens")
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:  # the echoed prompt shows its logprobs too
         prompt_logprobs = body.logprobs

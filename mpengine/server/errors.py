@@ -105,7 +105,11 @@ def install_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         param = ".".join(_location(errors)) or None
         message = str(first.get("msg", "invalid request"))
-        if param is None and first.get("type") == "model_attributes_type":
+        if first.get("type") == "json_invalid":
+            param = None
+            detail = (first.get("ctx") or {}).get("error", message)
+            message = f"the body is not valid JSON ({detail})"
+        elif param is None and first.get("type") == "model_attributes_type":
             message = "the body must be a JSON object (Content-Type: application/json)"
         return APIError(400, f"{param}: {message}" if param else message, param).response()
 

@@ -48,6 +48,21 @@ class ServerState:
         message = f"the model {name!r} does not exist; this server serves {self.model_names}"
         raise APIError(404, message, "model", "model_not_found")
 
+    def check_context(self, prompts: list[list[int]], max_tokens: int, param: str) -> None:
+        """An explicit ``max_tokens`` must fit in the context after every prompt (a 400
+        naming it, as OpenAI and vLLM answer), rather than being cut short silently. A
+        prompt that fills the context alone is the engine's to refuse (naming the prompt)."""
+        longest = max(map(len, prompts))
+        limit = self.info.max_model_len
+        if longest < limit < longest + max_tokens:
+            raise APIError(
+                400,
+                f"{param} ({max_tokens}) is too large: the model's context is {limit} tokens "
+                f"and the prompt has {longest}, so at most {max(limit - longest, 0)} can be "
+                "generated",
+                param,
+            )
+
     def check_admitting(self) -> None:
         """New requests get 503 once the server drains or the engine is gone."""
         if self.draining:

@@ -410,6 +410,23 @@ def test_bad_parameters_name_the_field(api: openai.OpenAI, server: Served) -> No
     assert status == 400 and "max_model_len" in reply["error"]["message"]
     status, reply = http(server, "/v1/completions", {"prompt": []})
     assert status == 400 and reply["error"]["param"] == "prompt"
+    raw = urllib.request.Request(server.url + "/v1/completions", data=b"not json")
+    raw.add_header("Content-Type", "application/json")
+    raw.add_header("Authorization", f"Bearer {KEY}")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(raw, timeout=REQUEST_TIMEOUT_S)
+    reply = json.loads(refused.value.read())
+    assert refused.value.code == 400 and reply["error"]["param"] is None
+    assert reply["error"]["message"].startswith("the body is not valid JSON")
+    # max_tokens past the context is refused, not cut short (4096 - 3 tokens are left)
+    with pytest.raises(openai.BadRequestError) as error:
+        api.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4094)
+    assert error.value.body["param"] == "max_tokens"
+    assert "at most 4093 can be generated" in error.value.body["message"]
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as error:
+        api.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=5000)
+    assert error.value.body["param"] == "max_completion_tokens"
 
 
 def test_too_large_body_is_413(server: Served) -> None:
