@@ -200,14 +200,14 @@ class CompletionChoice(msgspec.Struct, **_OUT):
     prompt_token_ids: list[int] | None = None
 
 
-class Completion(msgspec.Struct, **_OUT):
-    """A whole completion, or (``stream``) one chunk of it."""
+class Completion(msgspec.Struct, tag_field="object", tag="text_completion", **_OUT):
+    """A whole completion, or (``stream``) one chunk of it. ``object`` is the tag, which
+    ``omit_defaults`` never drops."""
 
     id: str
     created: int
     model: str
     choices: list[CompletionChoice]
-    object: Literal["text_completion"] = "text_completion"
     usage: Usage | None = None
 
 
@@ -242,13 +242,12 @@ class ChatChoice(msgspec.Struct, **_OUT):
     token_ids: list[int] | None = None
 
 
-class ChatCompletion(msgspec.Struct, **_OUT):
+class ChatCompletion(msgspec.Struct, tag_field="object", tag="chat.completion", **_OUT):
     id: str
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    object: Literal["chat.completion"] = "chat.completion"
     prompt_token_ids: list[int] | None = None
 
 
@@ -266,12 +265,11 @@ class ChatChunkChoice(msgspec.Struct, **_OUT):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, **_OUT):
+class ChatCompletionChunk(msgspec.Struct, tag_field="object", tag="chat.completion.chunk", **_OUT):
     id: str
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
 

@@ -134,6 +134,7 @@ def test_completion_equals_the_engine(server: Served, api: openai.OpenAI, ipc) -
     assert choice.model_extra["prompt_token_ids"] == ids
     assert choice.model_extra["token_ids"] == greedy(ipc, ids, 8)
     assert choice.finish_reason == "length" and reply.model == "tiny"
+    assert reply.object == "text_completion"
     assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == 8
     detok = http(server, "/detokenize", {"tokens": choice.model_extra["token_ids"]})
     assert detok == (200, {"prompt": choice.text})
@@ -227,6 +228,7 @@ def test_streaming_completion(api: openai.OpenAI) -> None:
     )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole
+    assert {c.object for c in chunks} == {"text_completion"}
     finals = [
         c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
     ]
@@ -343,7 +345,7 @@ def test_chat_follows_the_template(api: openai.OpenAI, server: Served, ipc) -> N
     assert tokenize(server, prompt=rendered, add_special_tokens=False) == ids
     assert reply.model_extra["prompt_token_ids"] == ids
     (choice,) = reply.choices
-    assert choice.message.role == "assistant"
+    assert reply.object == "chat.completion" and choice.message.role == "assistant"
     assert choice.model_extra["token_ids"] == greedy(ipc, ids, 6)
     content = choice.logprobs.content
     assert len(content) == 6 and all(len(t.top_logprobs) == 3 for t in content)
@@ -375,6 +377,7 @@ def test_chat_streaming_n(api: openai.OpenAI) -> None:
     roles = []
     usage = None
     for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
         usage = chunk.usage or usage
         for choice in chunk.choices:
             if choice.delta.role:
