@@ -59,6 +59,8 @@ async def create_chat_completion(
         raise bad_request("only the text response_format is supported", "response_format")
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    if not body.messages:
+        raise bad_request("messages is empty: give at least one message", "messages")
     prompt = chat_prompt(state, body)
     if len(prompt) >= state.info.max_model_len:
         raise bad_request(

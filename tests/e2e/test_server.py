@@ -430,6 +430,9 @@ def test_bad_parameters_name_the_field(api: openai.OpenAI, server: Served) -> No
     with pytest.raises(openai.BadRequestError) as error:
         api.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=5000)
     assert error.value.body["param"] == "max_completion_tokens"
+    with pytest.raises(openai.BadRequestError) as error:
+        api.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    assert error.value.body["param"] == "messages"
 
 
 def test_too_large_body_is_413(server: Served) -> None:
