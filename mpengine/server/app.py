@@ -3,7 +3,8 @@
     POST /v1/completions          completions.py
     POST /v1/chat/completions     chat.py
     POST /v1/embeddings           embeddings.py
-    GET  /v1/models               the served model names
+    GET  /v1/models[/NAME]        the served model names, or one of them
+    GET  /version                 the engine's version
     GET  /health                  200 when serving; 503 dead, draining or stalled (health.py)
     GET  /metrics                 Prometheus text (metrics.py)
     POST /tokenize, /detokenize   vLLM's, with the engine's tokenizer and chat template
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mpengine import __version__
 from mpengine.metrics import CONTENT_TYPE
 from mpengine.server.chat import chat_prompt, create_chat_completion
 from mpengine.server.completions import create_completion
@@ -89,16 +91,25 @@ def build_app(state: ServerState) -> FastAPI:
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         return await create_embedding(state, body, request)
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(name, state.created, state.info.model, state.info.max_model_len)
+
     @v1.get("/models")
     async def models() -> Response:
-        info = state.info
-        cards = [
-            ModelCard(name, state.created, info.model, info.max_model_len)
-            for name in state.model_names
-        ]
-        return _json(ModelList(cards))
+        return _json(ModelList([card(name) for name in state.model_names]))
+
+    @v1.get("/models/{name:path}")
+    async def model(name: str) -> Response:
+        """One model's card (``client.models.retrieve``); 404 for a name not served."""
+        return _json(card(state.check_model(name)))
 
     app.include_router(v1)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return Response(
+            msgspec.json.encode({"version": __version__}), media_type="application/json"
+        )
 
     @app.get("/health")
     async def health() -> Response:

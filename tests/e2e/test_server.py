@@ -106,6 +106,11 @@ def test_models_keys_and_health(server: Served, api: openai.OpenAI) -> None:
     models = api.models.list()
     assert [m.id for m in models.data] == NAMES
     assert models.data[0].model_extra["root"].endswith(SNAPSHOT)  # resolved from the cache
+    for name in NAMES:
+        assert api.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("gpt-4")
+    assert http(server, "/version", key=None) == (200, {"version": mpengine.__version__})
     wrong = openai.OpenAI(base_url=server.base_url, api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
