@@ -298,7 +298,10 @@ def _split_tcp(address: str) -> tuple[str, str] | None:
 
 def connectable(address: str) -> str:
     """An address a client can connect to: a wildcard tcp host (an engine's bind address,
-    ``tcp://*:5555``) means this host."""
+    ``tcp://*:5555``) means this host; ``ipc://DIR``, the directory an engine was given as
+    its address, means its request socket ``ipc://DIR/requests.sock``."""
+    if address.startswith("ipc://") and os.path.isdir(address[len("ipc://") :]):
+        return address.rstrip("/") + "/requests.sock"
     parts = _split_tcp(address)
     if parts is None or parts[0] not in _WILDCARD_HOSTS:
         return address

@@ -98,8 +98,9 @@ def test_bad_flags_fail_clearly():
 
 
 def test_serve_then_connect_and_stats(tmp_path):
-    """``mpengine serve`` in the foreground: clients connect by address, ``mpengine stats``
-    reads its counters, SIGTERM stops it cleanly."""
+    """``mpengine serve`` in the foreground: clients connect by address (the socket's, or
+    the directory serve was given), ``mpengine stats`` reads its counters, SIGTERM stops it
+    cleanly."""
     address = f"ipc://{tmp_path}/engine"
     cmd = [
         sys.executable,
@@ -128,8 +129,9 @@ def test_serve_then_connect_and_stats(tmp_path):
         with mpengine.Client(request_address) as client:
             out = client.generate("hi", mpengine.SamplingParams(max_tokens=3, ignore_eos=True))
             assert len(out.token_ids) == 3
+        # The address serve was given (the directory) works as well as its socket's.
         stats = subprocess.run(
-            [sys.executable, "-m", "mpengine.cli", "stats", request_address],
+            [sys.executable, "-m", "mpengine.cli", "stats", address],
             capture_output=True,
             text=True,
             timeout=60,
