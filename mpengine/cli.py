@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run a command; what users cause (a refused request, an engine that cannot start or
     died, an address nobody serves) is one line on stderr and exit status 1, not a
-    traceback."""
+    traceback; Ctrl-C stops the engine and exits 130."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
@@ -286,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mpengine: {exc}", file=sys.stderr)
     except TimeoutError as exc:
         print(f"mpengine: timed out: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:  # the engine was shut down on the way out
+        print("mpengine: interrupted", file=sys.stderr)
+        return 130
     return 1
 
 

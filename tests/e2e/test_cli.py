@@ -88,6 +88,33 @@ def test_refused_requests_and_unreachable_engines_fail_in_one_line(tmp_path, cap
     assert err.startswith("mpengine: no answer from an engine at ipc://") and "Traceback" not in err
 
 
+def test_ctrl_c_stops_the_engine_and_exits_130(tmp_path):
+    """SIGINT mid-generation: one line, exit status 130, no stage or segment left."""
+    engine_id = f"ctrlc{os.getpid()}"
+    cmd = [sys.executable, "-m", "mpengine.cli", "generate", "--model", "tiny", "--stream"]
+    cmd += ["--prompt", "hi", "--max-tokens", "4000", "--ignore-eos", "--engine-id", engine_id]
+    cmd += ["--log-level", "WARNING"]
+
+    def default_sigint() -> None:  # a background job may have inherited SIGINT ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "no token was streamed"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130, err.decode()
+    assert err.decode().strip().endswith("mpengine: interrupted") and b"Traceback" not in err
+    assert not [name for name in os.listdir("/dev/shm") if engine_id in name]
+
+
 def test_bad_flags_fail_clearly():
     cmd = [sys.executable, "-m", "mpengine.cli", "generate", "--temperature", "-1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
