@@ -44,7 +44,7 @@ from mpengine.server.schemas import (
 from mpengine.server.state import ServerState
 
 
-def _json(value: msgspec.Struct, status: int = 200) -> Response:
+def _json(value: msgspec.Struct | dict, status: int = 200) -> Response:
     return Response(msgspec.json.encode(value), status_code=status, media_type="application/json")
 
 
@@ -107,9 +107,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/version")
     async def version() -> Response:
-        return Response(
-            msgspec.json.encode({"version": __version__}), media_type="application/json"
-        )
+        return _json({"version": __version__})
 
     @app.get("/health")
     async def health() -> Response:

@@ -58,7 +58,7 @@ class ServerState:
             raise APIError(
                 400,
                 f"{param} ({max_tokens}) is too large: the model's context is {limit} tokens "
-                f"and the prompt has {longest}, so at most {max(limit - longest, 0)} can be "
+                f"and the prompt has {longest}, so at most {limit - longest} can be "
                 "generated",
                 param,
             )
