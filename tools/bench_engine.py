@@ -13,9 +13,11 @@ Reported: median tokens/s, the ratio to the serial runtime measured in the same 
 each engine its step breakdown over the timed rounds (medians): the step period, the
 executor's duty (forward + sample share of its time), each stage's busy ms per step and
 the executor's phases, and the waits per step on the rings and the lockstep counter.
-Prints two tables, writes JSON.
+Prints two tables, writes JSON. A row named ``RUNTIME@N`` (``processes-depth1@1``) runs with
+N torch threads, so thread counts can be compared in one run.
 
     python tools/bench_engine.py --models tiny small --json bench_engine.json
+    python tools/bench_engine.py --runtimes serial@2 processes-depth1@1 processes-depth1@2
     python tools/bench_engine.py --shape qwen3-0.6b --device cuda --num-requests 256
 """
 
@@ -109,13 +111,34 @@ def workload(model: str, args: argparse.Namespace) -> Workload:
     return Workload(prompts, lengths)
 
 
+def row_spec(name: str) -> tuple[str, int | None]:
+    """``"processes-depth1@2"`` -> ``("processes-depth1", 2)``; no ``@``: no thread count."""
+    base, _, threads = name.partition("@")
+    return base, int(threads) if threads else None
+
+
+def row_name(text: str) -> str:
+    """argparse type of a row: a known runtime, optionally ``@THREADS``."""
+    base, _, threads = text.partition("@")
+    if base not in ROWS or (threads and not (threads.isdigit() and int(threads) > 0)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected one of {', '.join(ROWS)}, optionally followed by @THREADS"
+        )
+    return text
+
+
 class EngineRow:
     """One engine runtime: a client, and its step breakdown between two points."""
 
     def __init__(self, model: str, name: str, args: argparse.Namespace) -> None:
-        self.engine = mpengine.launch(model=model, **CONFIGS[name], **args.engine)
+        base, threads = row_spec(name)
+        engine = dict(args.engine, **({"num_threads": threads} if threads else {}))
+        self.engine = mpengine.launch(model=model, **CONFIGS[base], **engine)
         self.client = self.engine.client()
-        self.num_threads = self.engine.config.num_threads
+        info = self.engine.model
+        assert info is not None
+        # "1-2": the executor runs each size of step with 1 or 2 threads, timing both.
+        self.num_threads = f"1-{info.num_threads}" if info.thread_tuning else info.num_threads
         self.args = args
 
     def run(self, work: Workload, lengths: list[int] | None = None) -> int:
@@ -151,8 +174,6 @@ class HFRow:
 
         from mpengine.testing.tiny import resolve_model
 
-        if num_threads:
-            torch.set_num_threads(num_threads)
         self.torch = torch
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -163,10 +184,12 @@ class HFRow:
         eos = config.eos_token_id
         pad = config.pad_token_id
         self.pad = pad if pad is not None else eos if isinstance(eos, int) else eos[0]
-        self.num_threads = torch.get_num_threads()
+        # Set for each run (rows of this process may differ); torch's default otherwise.
+        self.num_threads = num_threads or torch.get_num_threads()
 
     def run(self, work: Workload, lengths: list[int] | None = None) -> int:
         torch = self.torch
+        torch.set_num_threads(self.num_threads)  # rows of this process may differ
         lengths = lengths or work.lengths
         prompts = work.prompts[: len(lengths)]
         width = max(map(len, prompts))
@@ -201,14 +224,16 @@ def run_model(model: str, args: argparse.Namespace) -> list[dict]:
     rows: dict[str, EngineRow | HFRow] = {}
     try:
         for name in args.runtimes:
-            if name != HF_ROW:
+            if row_spec(name)[0] != HF_ROW:
                 rows[name] = EngineRow(model, name, args)
-        if HF_ROW in args.runtimes:
-            # The engines' own device and dtype (auto: float32 on the CPU, bfloat16 on CUDA).
-            info = next(iter(rows.values())).engine.model if rows else None
-            device = info.device if info else ("cpu" if args.device == "auto" else args.device)
-            dtype = info.dtype if info else "float32"
-            rows[HF_ROW] = HFRow(model, device, dtype, args.num_threads)
+        # The engines' own device and dtype (auto: float32 on the CPU, bfloat16 on CUDA).
+        info = next(iter(rows.values())).engine.model if rows else None
+        device = info.device if info else ("cpu" if args.device == "auto" else args.device)
+        dtype = info.dtype if info else "float32"
+        for name in args.runtimes:
+            base, threads = row_spec(name)
+            if base == HF_ROW:
+                rows[name] = HFRow(model, device, dtype, threads or args.num_threads)
         times: dict[str, list[float]] = {name: [] for name in rows}
         figures: dict[str, list[dict[str, float]]] = {name: [] for name in rows}
         for row in rows.values():
@@ -222,7 +247,7 @@ def run_model(model: str, args: argparse.Namespace) -> list[dict]:
                 assert num_tokens == work.num_tokens, (
                     "a stop string matched: every run must generate the same number of tokens"
                 )
-                if name != HF_ROW:
+                if isinstance(row, EngineRow):
                     totals = since(row.stages(), before)
                     figures[name].append(
                         {"steps": totals["executor"].steps, **flatten(breakdown(totals))}
@@ -321,7 +346,10 @@ def medians(rounds: list[dict[str, float]]) -> dict[str, float]:
 
 
 def print_tables(rows: list[dict]) -> None:
-    baseline = {r["model"]: r["tokens_per_s"] for r in rows if r["runtime"] == "serial"}
+    baseline: dict[str, float] = {}  # the first serial row of each model
+    for r in rows:
+        if row_spec(r["runtime"])[0] == "serial":
+            baseline.setdefault(r["model"], r["tokens_per_s"])
     print()
     print(f"{'model':18}{'runtime':18}{'threads':>8}{'median s':>10}{'tok/s':>10}{'vs serial':>11}")
     for r in rows:
@@ -360,7 +388,14 @@ def main() -> None:
         choices=list(SHAPES),
         help="instead of --models: a random-weight model with this real model's dimensions",
     )
-    parser.add_argument("--runtimes", nargs="+", default=ROWS, choices=ROWS)
+    parser.add_argument(
+        "--runtimes",
+        nargs="+",
+        default=ROWS,
+        type=row_name,
+        metavar="RUNTIME[@THREADS]",
+        help=f"rows, of {', '.join(ROWS)}; @N gives one N torch threads",
+    )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
