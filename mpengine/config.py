@@ -69,22 +69,29 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             )
 
     def resolve(self) -> EngineConfig:
-        """Derived defaults that need no model: engine id, thread count, trace path."""
+        """Derived defaults that need no model: engine id, trace path."""
         updates: dict = {}
         if not self.engine_id:
             updates["engine_id"] = uuid.uuid4().hex[:8]
-        if self.num_threads is None:
-            cores = len(os.sched_getaffinity(0))
-            # The scheduler and output stages run beside the executor and need a core, but
-            # take a few percent of one: on two cores, leaving one to them halves the
-            # forward's compute (all-MiniLM-L6-v2 embedding 1.6x, the small model
-            # generating 1.2-1.45x faster with both; tools/bench_embed.py, bench_engine.py).
-            overlapped = self.runtime in ("processes", "threads") and cores > 2
-            updates["num_threads"] = cores - 1 if overlapped else cores
         if self.trace:
             # Stages write their parts at exit; the caller's cwd may have changed by then.
             updates["trace"] = os.path.abspath(self.trace)
         return msgspec.structs.replace(self, **updates) if updates else self
+
+    @property
+    def max_threads(self) -> int:
+        """The executor's torch threads: ``num_threads``, else every core, less one for the
+        scheduler and output stages beside it on machines with more than two. Those stages
+        take a few percent of a core: on two cores, leaving one to them halves the forward's
+        compute (all-MiniLM-L6-v2 embedding 1.6x, the small model generating 1.2-1.45x
+        faster with both; tools/bench_embed.py, bench_engine.py). Without ``num_threads``,
+        a CPU executor runs each size of step with one thread or these, whichever it times
+        faster (``executor/threads.py``)."""
+        if self.num_threads is not None:
+            return self.num_threads
+        cores = len(os.sched_getaffinity(0))
+        overlapped = self.runtime in ("processes", "threads") and cores > 2
+        return cores - 1 if overlapped else cores
 
     @property
     def num_slots(self) -> int:
@@ -126,8 +133,9 @@ HELP = {
     "max_model_len": "longest prompt + output (default: the model's maximum positions)",
     "dtype": "model and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)",
     "device": "where the model runs",
-    "num_threads": "torch threads in the executor (default: all cores but one in the processes "
-    "and threads runtimes on machines with more than two, else all cores)",
+    "num_threads": "torch threads in the executor (default: on the CPU, one or all cores, "
+    "whichever runs each size of step faster, timed as it runs; all cores but one in the "
+    "processes and threads runtimes on machines with more than two)",
     "enforce_eager": "never replay CUDA graphs: run every step eagerly (CUDA only; decode "
     "steps are captured as graphs at start-up otherwise)",
     "seed": "seed of the sampler for requests without their own seed",

@@ -628,7 +628,8 @@ class ModelInfo(msgspec.Struct, **_WIRE):
     kv_cache_bytes: int = 0
     device: str = "cpu"
     dtype: str = "float32"
-    num_threads: int = 1
+    num_threads: int = 1  # the executor's torch threads (at most, when tuned)
+    thread_tuning: bool = False  # one thread or num_threads per size of step, timed
     pooling: PoolingInfo | None = None  # None: the model cannot embed
     can_generate: bool = True
     num_host_blocks: int = 0  # swap space, in KV blocks

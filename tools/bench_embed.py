@@ -107,7 +107,11 @@ class EngineRow:
         self.engine = mpengine.launch(model=path, **CONFIGS[name], **args.engine)
         self.client = self.engine.client()
         self.aclient = self.engine.async_client()
-        self.num_threads = self.engine.config.num_threads
+        info = self.engine.model
+        assert info is not None
+        self.max_threads = info.num_threads
+        # "1-2": the executor runs each size of step with 1 or 2 threads, timing both.
+        self.num_threads = f"1-{info.num_threads}" if info.thread_tuning else info.num_threads
         pooling = self.client.info.pooling
         if pooling is None:
             self.close()
@@ -221,7 +225,7 @@ def run_model(name: str, args: argparse.Namespace) -> tuple[list[dict], dict[str
             path,
             info.device,
             info.dtype,
-            args.num_threads or first.num_threads,
+            args.num_threads or first.max_threads,
             first.pooling.pooling,
             first.pooling.normalize,
         )

@@ -37,6 +37,7 @@ from mpengine.executor.model_loader import LoadedModel, load_model
 from mpengine.executor.pooler import Pooler, finalize
 from mpengine.executor.sampler import PendingSample, Sampler, token_logprobs
 from mpengine.executor.slots import SlotState
+from mpengine.executor.threads import ThreadTuner
 from mpengine.protocol import (
     EMPTY_IDS,
     Array,
@@ -67,8 +68,7 @@ class Executor:
     def __init__(self, config: EngineConfig, attention_backend: Backend | None = None) -> None:
         if attention_backend is not None and attention_backend not in BACKENDS:
             raise ValueError(f"attention backend {attention_backend!r} is not one of {BACKENDS}")
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        torch.set_num_threads(config.max_threads)
         self.config = config
         memory = _gpu_memory_start(config)
         self.loaded: LoadedModel = load_model(config)
@@ -123,6 +123,9 @@ class Executor:
         if self.loaded.is_encoder:
             self.encoder = Encoder(self.model, self.device, self.loaded.pooling.hidden_size)
             self.encoder.calibrate(self.max_model_len)
+        self.threads: ThreadTuner | None = None
+        if self.device.type == "cpu" and config.num_threads is None and config.max_threads > 1:
+            self.threads = ThreadTuner((1, config.max_threads))
         self.requests: dict[int, RequestParams] = {}  # by key, from plan to release
         self.fault_steps, self.fault_seqs = fault_steps(), fault_seqs()
         # The last step's phases: (name, perf_counter() when it began), in order, closed by
@@ -139,7 +142,8 @@ class Executor:
             kv_cache_bytes=self.num_blocks * spec.bytes_per_block,
             device=str(self.device),
             dtype=_DTYPE_NAMES.get(self.loaded.dtype, str(self.loaded.dtype)),
-            num_threads=torch.get_num_threads(),
+            num_threads=config.max_threads,
+            thread_tuning=self.threads is not None,
             pooling=self.loaded.pooling,
             can_generate=self.loaded.can_generate,
             num_host_blocks=num_host_blocks,
@@ -179,6 +183,8 @@ class Executor:
         """
         started = time.perf_counter()
         self.marks = [("prepare", started)]
+        if self.threads is not None and len(plan.token_ids):
+            self.threads.begin(len(plan.token_ids))
         for params in plan.new_requests:
             self.requests[params.key] = params
         failures: dict[int, str] = {}  # seq id -> why it failed
@@ -204,6 +210,8 @@ class Executor:
             result.errors = list(failures.values())
         ended = time.perf_counter()
         result.execute_time = ended - started
+        if self.threads is not None:
+            self.threads.end(ended - started)
         self.marks.append(("end", ended))
         return result
 
