@@ -46,7 +46,8 @@ if [ $quick = 1 ]; then
 else
     # The real kernels and graphs against the torch backend, and the GPU sizing.
     step tests 150 "$python" -m pytest -q -p no:cacheprovider tests/unit/test_attention_backends.py \
-        tests/unit/test_executor_gpu_memory.py tests/e2e/test_executor_triton.py
+        tests/unit/test_executor_gpu_memory.py tests/unit/test_sampler.py \
+        tests/e2e/test_executor_triton.py
     step bench_executor 60 "$python" tools/bench_executor.py --json "$out/bench_executor.json"
     # Issue 7: 256 concurrent requests, tiny and the Qwen3-0.6B shape, against HF generate.
     step bench_engine_tiny 90 "$python" tools/bench_engine.py --device "$device" \

@@ -261,7 +261,9 @@ class Executor:
         if len(sampling):
             assert logits is not None and inputs is not None
             contexts = starts[sampling] + num_tokens[sampling]
-            ok, error, pending = self._sample(logits[: len(sampling)], slots[sampling], contexts)
+            ok, error, pending = self._sample(
+                logits[: len(sampling)], slots[sampling], contexts, inputs.sample_slots
+            )
             if pending is not None and ok.all():
                 self.batch.record_sampled(inputs.sample_slots, pending.token_ids)
             self.marks.append(("copy", time.perf_counter()))
@@ -432,15 +434,20 @@ class Executor:
         return result
 
     def _sample(
-        self, logits: torch.Tensor, slots: np.ndarray, contexts: np.ndarray
+        self,
+        logits: torch.Tensor,
+        slots: np.ndarray,
+        contexts: np.ndarray,
+        device_slots: torch.Tensor,
     ) -> tuple[np.ndarray, str, PendingSample | None]:
-        """Launch the sampling of every row; return which rows succeeded, the error of the
-        others and the launched sampling of the good rows. A batch that raises is retried
-        row by row to find the rows at fault, then the others are sampled together."""
+        """Launch the sampling of every row (``device_slots``: ``slots`` on the device);
+        return which rows succeeded, the error of the others and the launched sampling of
+        the good rows. A batch that raises is retried row by row to find the rows at fault,
+        then the others are sampled together."""
         ok = np.ones(len(slots), bool)
         error = ""
         try:
-            return ok, error, self._sample_rows(logits, slots, contexts)
+            return ok, error, self._sample_rows(logits, slots, contexts, device_slots)
         except Exception as exc:
             logger.warning("sampling failed (%r): finding the rows at fault", exc)
             error = f"{type(exc).__name__}: {exc}"
@@ -459,11 +466,17 @@ class Executor:
         return ok, error, self._sample_rows(logits[good], slots[ok], contexts[ok])
 
     def _sample_rows(
-        self, logits: torch.Tensor, slots: np.ndarray, contexts: np.ndarray
+        self,
+        logits: torch.Tensor,
+        slots: np.ndarray,
+        contexts: np.ndarray,
+        device_slots: torch.Tensor | None = None,
     ) -> PendingSample:
         if self.fault_seqs and not self.fault_seqs.isdisjoint(self.slots.seq_id[slots].tolist()):
             raise InjectedFault("injected sampling failure (MPENGINE_FAULT_SEQS)")
-        return self.sampler.sample_async(logits, self.slots.sampling_rows(slots, contexts))
+        rows = self.slots.sampling_rows(slots, contexts)
+        params = self.batch.sampling_params_of(slots if device_slots is None else device_slots)
+        return self.sampler.sample_async(logits, rows, params)
 
     def _collect(
         self, pending: PendingSample, result: StepResult, slots: np.ndarray, synced: bool

@@ -2,11 +2,12 @@
 
 :class:`~mpengine.executor.slots.SlotState` keeps every slot's state as host arrays,
 updated by the plans' deltas (slot starts, block-table entries). The attention kernels and
-the next step's inputs need two of them on the device: the block table and each slot's
-last sampled token. On the CPU the "device" tensors are views of the host arrays (nothing
-to copy, always in sync); on a GPU they are mirrors that a step updates with the rows it
-touched (one copy) and, for the last tokens, with the sampled ids still on the device, so a
-decode's ``-1`` token is filled in without a trip through the host.
+the next step's inputs need three of them on the device: the block table, each slot's
+last sampled token, and the parameters the sampler's draw reads. On the CPU the "device"
+tensors are views of the host arrays (nothing to copy, always in sync); on a GPU they are
+mirrors that a step updates with the rows it touched (one copy) and, for the last tokens,
+with the sampled ids still on the device, so a decode's ``-1`` token is filled in without a
+trip through the host.
 
 A step's index arrays (token ids, positions, slot mapping, query starts, context lengths,
 logits rows ...) are written with numpy into one staging buffer (pinned on a GPU) and moved
@@ -57,9 +58,11 @@ class InputBatch:
         self.on_cpu = device.type == "cpu"
         self.block_table = torch.from_numpy(state.block_table)
         self.last_token = torch.from_numpy(state.last_token)
+        self.sampling_params = torch.from_numpy(state.sampling_params)  # [slots, 4] float32
         if not self.on_cpu:
             self.block_table = self.block_table.to(device)
             self.last_token = self.last_token.to(device)
+            self.sampling_params = self.sampling_params.to(device)
         self._staging = {"rows": _Staging(self.on_cpu), "step": _Staging(self.on_cpu)}
         self.workspace = Workspace()  # the torch backend's gathers
 
@@ -69,15 +72,23 @@ class InputBatch:
         if self.on_cpu or not len(slots):
             return
         slots = np.unique(slots)
-        table = self.state.block_table[slots]
-        packed = np.concatenate([slots, self.state.last_token[slots], table.reshape(-1)]).astype(
-            np.int64
-        )
-        rows = self._staging["rows"].upload([packed], self.device)
         n = len(slots)
+        # [slots | last tokens | sampling parameters (4 float32 as 2 int64 each) | table]
+        params = np.ascontiguousarray(self.state.sampling_params[slots]).view(np.int64)
+        parts = [slots, self.state.last_token[slots], params.reshape(-1)]
+        parts.append(self.state.block_table[slots].reshape(-1))
+        rows = self._staging["rows"].upload(parts, self.device)
         index = rows[:n]
         self.last_token.index_copy_(0, index, rows[n : 2 * n].to(torch.int32))
-        self.block_table.index_copy_(0, index, rows[2 * n :].view(n, -1).to(torch.int32))
+        params_rows = rows[2 * n : 4 * n].view(torch.float32).view(n, -1)
+        self.sampling_params.index_copy_(0, index, params_rows)
+        self.block_table.index_copy_(0, index, rows[4 * n :].view(n, -1).to(torch.int32))
+
+    def sampling_params_of(self, slots: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """The draw's parameters (``sampler.pack_params``) of ``slots``, on the device."""
+        if isinstance(slots, np.ndarray):
+            slots = torch.from_numpy(slots.astype(np.int64)).to(self.device)
+        return self.sampling_params.index_select(0, slots)
 
     def record_sampled(self, sample_slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """The sampled ids become their slots' last tokens on the device, where the next

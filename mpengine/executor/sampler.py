@@ -153,9 +153,13 @@ class Sampler:
         """``logits`` is ``[B, vocab]`` (any float dtype), aligned with ``rows``."""
         return self.sample_async(logits, rows).wait()
 
-    def sample_async(self, logits: torch.Tensor, rows: SamplingRows) -> PendingSample:
+    def sample_async(
+        self, logits: torch.Tensor, rows: SamplingRows, params: torch.Tensor | None = None
+    ) -> PendingSample:
         """Launch the sampling of ``logits`` (``[B, vocab]``, aligned with ``rows``) and the
-        copy of its results to the host; nothing waits for the device here."""
+        copy of its results to the host; nothing waits for the device here. ``params``: the
+        rows' :func:`pack_params` already on the device (the persistent batch keeps them
+        there); packed from ``rows`` and copied when None."""
         logprob_rows = np.flatnonzero(rows.logprobs >= 0).astype(np.int32)
         greedy = rows.temperature == 0.0
         if greedy.all() and not len(rows.penalty_rows) and not len(rows.banned_rows):
@@ -171,7 +175,7 @@ class Sampler:
                 x[
                     _tensor(rows.banned_rows, self.device), _tensor(rows.banned_ids, self.device)
                 ] = -float("inf")
-            tokens = x.argmax(dim=-1) if greedy.all() else self._draw(x, rows, greedy)
+            tokens = x.argmax(dim=-1) if greedy.all() else self._draw(x, rows, greedy, params)
         tokens = tokens.to(torch.int32)
         tensors = [tokens]
         if len(logprob_rows):
@@ -180,22 +184,23 @@ class Sampler:
             tensors += _logprob_tensors(raw[index], tokens[index], num_top)
         return PendingSample(tokens, HostCopy(tensors, self._pinned), logprob_rows)
 
-    def _draw(self, x: torch.Tensor, rows: SamplingRows, greedy: np.ndarray) -> torch.Tensor:
-        device = self.device
-        use_top_k = (rows.top_k > 0) & (rows.top_k < x.shape[1])
-        # The per-row parameters in one transfer: temperature, min-p, top-p, top-k (a
-        # vocabulary index, exact in float32), greedy.
-        packed = np.stack(
-            [
-                np.where(greedy, 1.0, rows.temperature),
-                rows.min_p,
-                rows.top_p,
-                np.where(use_top_k, rows.top_k, 0),
-                greedy,
-            ]
-        ).astype(np.float32)
-        temperature, min_p, top_p, top_k, is_greedy = _tensor(packed, device).unbind(0)
-        x = x / temperature[:, None]
+    def _draw(
+        self,
+        x: torch.Tensor,
+        rows: SamplingRows,
+        greedy: np.ndarray,
+        params: torch.Tensor | None,
+    ) -> torch.Tensor:
+        # Which steps to take is decided on the host, from ``rows``; the values they use
+        # come from ``params`` on the device.
+        vocab = x.shape[1]
+        use_top_k = (rows.top_k > 0) & (rows.top_k < vocab)
+        if params is None:
+            packed = pack_params(rows.temperature, rows.min_p, rows.top_p, rows.top_k, vocab)
+            params = _tensor(packed, self.device)
+        temperature, min_p, top_p, top_k = params.unbind(1)
+        is_greedy = temperature == 0
+        x = x / torch.where(is_greedy, 1.0, temperature)[:, None]
         if (rows.min_p > 0).any():
             x = apply_min_p(x, min_p)
         if (rows.top_p < 1).any():
@@ -210,8 +215,22 @@ class Sampler:
         # An exact 0 draw would make 0 / 0 = NaN for a masked token, and argmax picks NaN.
         sampled = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
         if greedy.any():
-            sampled = torch.where(is_greedy > 0, x.argmax(dim=-1), sampled)
+            sampled = torch.where(is_greedy, x.argmax(dim=-1), sampled)
         return sampled
+
+
+def pack_params(
+    temperature: np.ndarray,
+    min_p: np.ndarray,
+    top_p: np.ndarray,
+    top_k: np.ndarray,
+    vocab_size: int,
+) -> np.ndarray:
+    """Float32 rows ``[temperature, min_p, top_p, top_k]`` (top-k 0 where it keeps the
+    whole vocabulary; a vocabulary index is exact in float32): what the draw reads on the
+    device, one row per sequence."""
+    top_k = np.where((top_k > 0) & (top_k < vocab_size), top_k, 0)
+    return np.stack([temperature, min_p, top_p, top_k], axis=-1).astype(np.float32)
 
 
 def apply_penalties(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:

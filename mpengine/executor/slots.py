@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpengine.executor.pooler import KINDS
-from mpengine.executor.sampler import SamplingRows, draw_seed
+from mpengine.executor.sampler import SamplingRows, draw_seed, pack_params
 from mpengine.protocol import RequestParams, SamplingParams, SeqStart
 
 _NO_STOP_IDS = np.zeros(0, np.int64)
@@ -55,6 +55,11 @@ class SlotState:
         # Pooling sequences: the kind (pooler.KINDS; -1 for a sequence that samples), whether
         # to normalise, how many dimensions to keep.
         self.pool_kind = np.full(num_slots, -1, np.int8)
+        # The draw's parameters as it reads them (sampler.pack_params), mirrored on the
+        # device by the persistent batch.
+        self.sampling_params = pack_params(
+            self.temperature, self.min_p, self.top_p, self.top_k, vocab_size
+        )
         self.pool_normalize = np.zeros(num_slots, bool)
         self.pool_dims = np.zeros(num_slots, np.int64)
         # Per slot, Python objects: only read for the few sequences that need them.
@@ -97,6 +102,9 @@ class SlotState:
         self.repetition_penalty[s] = p.repetition_penalty
         self.presence_penalty[s] = p.presence_penalty
         self.frequency_penalty[s] = p.frequency_penalty
+        self.sampling_params[s] = pack_params(
+            self.temperature[s], p.min_p, p.top_p, self.top_k[s], self.vocab_size
+        )
         self.has_penalties[s] = p.has_penalties
         self.seeded[s] = p.seed is not None
         self.seed[s] = 0 if p.seed is None else (p.seed & 0x7FFF_FFFF_FFFF_FFFF)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from mpengine.executor.input_batch import InputBatch
 from mpengine.executor.sampler import (
     Sampler,
     SamplingRows,
@@ -15,6 +16,9 @@ from mpengine.executor.sampler import (
     apply_top_k_top_p,
     draw_seed,
 )
+from mpengine.executor.slots import SlotState
+from mpengine.protocol import SamplingParams
+from mpengine.testing.fake import start_seq
 
 VOCAB = 32
 CPU = torch.device("cpu")
@@ -225,4 +229,52 @@ def test_top_p_without_top_k_needs_no_top_k_tensor() -> None:
     assert torch.equal(
         apply_top_k(x.clone(), torch.tensor([3, 0, 1, 2]), max_k=3),
         apply_top_k(x.clone(), torch.tensor([3, 0, 1, 2])),
+    )
+
+
+def started_slots(device: torch.device) -> tuple[SlotState, InputBatch]:
+    """Slots 0-5 started with varied sampling parameters, and their persistent batch."""
+    state = SlotState(
+        8, max_blocks_per_seq=4, max_model_len=64, vocab_size=VOCAB, eos_token_ids=[0]
+    )
+    batch = InputBatch(state, device, block_size=16, backend="torch", kv_caches=[])
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8, seed=11),
+        SamplingParams(temperature=1.0, min_p=0.2, top_k=VOCAB + 5),  # top-k off: > vocab
+        SamplingParams(temperature=0.5, top_k=3, top_p=0.9, seed=4),
+        SamplingParams(temperature=0.0, top_k=2),
+    ]
+    for slot, p in enumerate(params):
+        state.start(*start_seq(slot, seq_id=100 + slot, num_prompt_tokens=4, sampling=p))
+    batch.sync_rows(np.arange(len(params)))
+    return state, batch
+
+
+def test_the_persistent_batch_params_draw_as_the_rows_do() -> None:
+    """The draw's parameters kept per slot (the persistent batch's, gathered by slot) give
+    the tokens that packing them from the step's rows gives."""
+    state, batch = started_slots(CPU)
+    slots = np.array([4, 1, 0, 3, 2, 5, 1, 2])
+    r = state.sampling_rows(slots, contexts=np.full(len(slots), 6))
+    x = logits(len(slots), seed=3)
+    packed = Sampler(CPU, seed=7).sample(x, r).token_ids
+    kept = Sampler(CPU, seed=7).sample_async(x, r, batch.sampling_params_of(slots)).wait()
+    assert kept.token_ids.tolist() == packed.tolist()
+    assert batch.sampling_params_of(slots)[3].tolist() == pytest.approx([1.0, 0.2, 1.0, 0.0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device mirror needs a GPU")
+def test_started_slots_reach_the_device_mirror() -> None:
+    state, batch = started_slots(torch.device("cuda"))
+    assert batch.sampling_params.device.type == "cuda"
+    np.testing.assert_array_equal(batch.sampling_params.cpu().numpy(), state.sampling_params)
+    slots = np.array([2, 4])
+    r = state.sampling_rows(slots, contexts=np.full(2, 6))
+    x = logits(2, seed=5).cuda()
+    sampler = Sampler(torch.device("cuda"), seed=3)
+    kept = sampler.sample_async(x, r, batch.sampling_params_of(slots)).wait()
+    assert (
+        kept.token_ids.tolist() == Sampler(torch.device("cuda"), 3).sample(x, r).token_ids.tolist()
     )
