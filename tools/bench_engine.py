@@ -14,7 +14,8 @@ each engine its step breakdown over the timed rounds (medians): the step period,
 executor's duty (forward + sample share of its time), each stage's busy ms per step and
 the executor's phases, and the waits per step on the rings and the lockstep counter.
 Prints two tables, writes JSON. A row named ``RUNTIME@N`` (``processes-depth1@1``) runs with
-N torch threads, so thread counts can be compared in one run.
+N torch threads, so thread counts can be compared in one run; ``--busy-neighbours N`` runs
+the timed rounds beside N processes spinning on a core each, as on a shared machine.
 
     python tools/bench_engine.py --models tiny small --json bench_engine.json
     python tools/bench_engine.py --runtimes serial@2 processes-depth1@1 processes-depth1@2
@@ -27,6 +28,8 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,6 +225,7 @@ def run_model(model: str, args: argparse.Namespace) -> list[dict]:
     engine costs ~1% of a core)."""
     work = workload(model, args)
     rows: dict[str, EngineRow | HFRow] = {}
+    neighbours: list[subprocess.Popen] = []
     try:
         for name in args.runtimes:
             if row_spec(name)[0] != HF_ROW:
@@ -238,6 +242,8 @@ def run_model(model: str, args: argparse.Namespace) -> list[dict]:
         figures: dict[str, list[dict[str, float]]] = {name: [] for name in rows}
         for row in rows.values():
             row.run(work, [8] * min(8, len(work.prompts)))  # warm-up
+        for _ in range(args.busy_neighbours):
+            neighbours.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
         for _ in range(args.repeats):
             for name, row in rows.items():
                 before = row.stages()
@@ -253,6 +259,9 @@ def run_model(model: str, args: argparse.Namespace) -> list[dict]:
                         {"steps": totals["executor"].steps, **flatten(breakdown(totals))}
                     )
     finally:
+        for process in neighbours:
+            process.kill()
+            process.wait()
         for row in rows.values():
             row.close()
     results = []
@@ -426,6 +435,14 @@ def main() -> None:
         "choice per runtime; torch's for hf-generate)",
     )
     parser.add_argument("--kv-cache-bytes", type=int, default=None, help="engine KV cache (CPU)")
+    parser.add_argument(
+        "--busy-neighbours",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N other processes, each spinning on a core, during the timed rounds (a shared "
+        "machine's load)",
+    )
     parser.add_argument("--json", default="bench_engine.json")
     args = parser.parse_args()
     args.engine = {"device": args.device, "log_level": "WARNING"}
@@ -456,6 +473,7 @@ def main() -> None:
                 "mixed": args.mixed,
                 "device": args.device,
                 "repeats": args.repeats,
+                "busy_neighbours": args.busy_neighbours,
                 "breakdown_cost_us_per_step": cost * 1e6,
                 "results": rows,
             },
