@@ -591,6 +591,10 @@ class Scheduler:
         num_cached = self._reuse_cached(seq)
         num_tokens = self._chunk_size(seq, budget)
         need = self._blocks_needed(seq, num_tokens) - num_cached
+        # The siblings' room is a wish, not a condition: where the whole cache cannot hold
+        # it beside this chunk, the samples take turns instead of the request waiting
+        # forever (with every later request behind it).
+        reserve = min(reserve, max(self.blocks.num_blocks - num_cached - need, 0))
         if num_cached:  # a new slot's table holds the cached blocks too
             extra_bytes += FrameLimits.shared_table_bytes(num_cached)
         if (

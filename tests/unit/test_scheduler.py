@@ -128,6 +128,29 @@ def test_n_samples_share_prompt_blocks(lag):
     assert sched.blocks.num_free == sched.blocks.num_blocks
 
 
+@pytest.mark.parametrize("lag", [0, 1])
+@pytest.mark.parametrize(
+    "prompt_len, n, num_blocks",
+    [(25, 2, 7), (3, 8, 8), (25, 4, 8)],
+    ids=["prompt-fills-the-cache", "many-samples", "samples-outgrow-the-cache"],
+)
+def test_samples_that_the_cache_cannot_hold_together_still_run(lag, prompt_len, n, num_blocks):
+    """A request whose samples cannot all fit beside each other is admitted anyway and its
+    samples take turns (preempting each other), rather than waiting forever at the head of
+    the queue with every later request behind it."""
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_len=64)
+    output = FakeOutput(EOS)
+    prompt = list(range(10, 10 + prompt_len))
+    add(sched, "big", prompt, max_tokens=3, n=n)
+    add(sched, "small", [7, 8], max_tokens=3)
+    ids = {rid: [s.seq_id for s in sched.requests["client", rid].seqs] for rid in ("big", "small")}
+    run(sched, output, lag)
+    for rid, (p, count) in {"big": (prompt, n), "small": ([7, 8], 1)}.items():
+        expected = reference_generate(p, 3, EOS, VOCAB)
+        assert [output.outputs[s] for s in ids[rid]] == [expected] * count, rid
+    assert sched.blocks.num_free == sched.blocks.num_blocks
+
+
 def test_lag1_finished_request_wastes_one_slot_and_frees_after_its_last_step():
     sched = make_scheduler()
     output = FakeOutput(eos=-1)  # finish by max_tokens only... and by a stop we force:
