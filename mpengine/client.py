@@ -88,6 +88,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+INT32_RANGE = (-(2**31), 2**31 - 1)
 Sink = Callable[[Any], None]  # receives a delta or reply, or an exception to raise
 T = TypeVar("T")
 
@@ -104,6 +105,24 @@ _MONITOR_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 _WILDCARD_HOSTS = {"", "*", "0.0.0.0", "[::]", "::", "[*]"}
+
+
+def token_array(prompt: Sequence[int]) -> Array:
+    """A prompt's token ids as the int32 array a request carries; anything else (bytes, a
+    float, an id beyond int32) is the caller's mistake, named as such."""
+    if isinstance(prompt, bytes | bytearray | memoryview):
+        raise InvalidRequestError("prompt: expected text or a list of token ids, not bytes")
+    ids = prompt if isinstance(prompt, np.ndarray) else np.asarray(list(prompt))
+    if ids.size:
+        integral = ids.dtype.kind in "iu" or (
+            ids.dtype.kind == "O" and all(type(t) is int for t in ids.flat)  # beyond int64
+        )
+        if ids.ndim != 1 or not integral:
+            raise InvalidRequestError("prompt: token ids must be a flat list of integers")
+        low, high = INT32_RANGE
+        if ids.min() < low or ids.max() > high:
+            raise InvalidRequestError("prompt: a token id is outside int32")
+    return Array.of(ids)
 
 
 # -- outputs ---------------------------------------------------------------------------------
@@ -1007,9 +1026,9 @@ class _ClientBase:
             raise InvalidRequestError(
                 f"{what} cannot be streamed: the best samples are known only when all have ended"
             )
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else prompt
         request_id = request_id or f"{self.client_id}-{next(self._ids)}"
-        return AddRequest(request_id, Array.of(ids), params, arrival_time=time.time())
+        return AddRequest(request_id, token_array(ids), params, arrival_time=time.time())
 
     def _embed_request(
         self, prompt: Prompt, params: PoolingParams | None, request_id: str | None
@@ -1023,9 +1042,9 @@ class _ClientBase:
                 limit = self.info.max_model_len
             ids = self.tokenize(prompt, max_length=limit)
         else:
-            ids = list(prompt)
+            ids = prompt
         request_id = request_id or f"{self.client_id}-{next(self._ids)}"
-        return AddRequest(request_id, Array.of(ids), pooling=params, arrival_time=time.time())
+        return AddRequest(request_id, token_array(ids), pooling=params, arrival_time=time.time())
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its output finishes with reason ``abort``."""

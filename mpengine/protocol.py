@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -104,7 +104,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Int32 = 0
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     # Generate best_of samples, return the n with the highest cumulative logprob.
     best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
@@ -130,7 +130,19 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
     early_stopping: bool | Literal["never"] = False
 
     def __post_init__(self) -> None:
-        if self.min_tokens > self.max_tokens:
+        # vLLM's spellings: one stop string, top_k=-1 for "off", max_tokens=None for "as
+        # many as fit" (the scheduler caps it at the context).
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.max_tokens is None:
+            self.max_tokens = INT32_MAX
+        _check_numbers(self, _SAMPLING_INTS, _SAMPLING_FLOATS)
+        if not all(_is_int32(t) for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids: token ids must be integers within int32")
+        # (max_tokens < 1 is msgspec's to name, on validate)
+        if 1 <= self.max_tokens < self.min_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) > max_tokens ({self.max_tokens})")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
@@ -211,7 +223,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
 
     def validate(self) -> SamplingParams:
         """Check the constraints now (msgspec checks them on decode, not on construction)."""
-        return msgspec.msgpack.decode(msgspec.msgpack.encode(self), type=SamplingParams)
+        return _revalidate(self)
 
 
 class PoolingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown_fields=True):
@@ -226,15 +238,62 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown
 
     pooling: Pooling | None = None
     normalize: bool | None = None
-    dimensions: PosInt | None = None
-    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    dimensions: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
 
     def __post_init__(self) -> None:
+        _check_numbers(self, ("dimensions", "truncate_prompt_tokens"), ())
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or >= 1")
 
     def validate(self) -> PoolingParams:
-        return msgspec.msgpack.decode(msgspec.msgpack.encode(self), type=PoolingParams)
+        return _revalidate(self)
+
+
+_SAMPLING_INTS = (
+    "max_tokens",
+    "top_k",
+    "seed",
+    "n",
+    "best_of",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "beam_width",
+)
+_SAMPLING_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "length_penalty",
+)
+
+
+def _check_numbers(params: msgspec.Struct, ints: tuple[str, ...], floats: tuple[str, ...]) -> None:
+    """Numeric fields hold numbers (or None) before anything compares them: a constructor
+    given ``temperature="0.5"`` should say so, not fail comparing a str. Ranges are msgspec's
+    (``validate``); integers beyond 64 bits, which msgpack cannot carry, are refused here."""
+    for name in ints + floats:
+        value = getattr(params, name)
+        allowed = (int,) if name in ints else (int, float)
+        if value is None or (isinstance(value, allowed) and not isinstance(value, bool)):
+            if name in ints and value is not None and not -(2**63) <= value < 2**63:
+                raise ValueError(f"{name} ({value}) is outside the 64-bit integer range")
+            continue
+        kind = "an integer" if name in ints else "a number"
+        raise ValueError(f"{name} ({value!r}) must be {kind}, not {type(value).__name__}")
+
+
+def _is_int32(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and -(2**31) <= value < 2**31
+
+
+def _revalidate(params: msgspec.Struct) -> Any:
+    """``params`` through msgpack and back: msgspec checks every constraint on decode."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=type(params))
 
 
 class PoolingInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpengine.client import _Assembly
-from mpengine.errors import RequestFailedError
+from mpengine.client import _Assembly, token_array
+from mpengine.errors import InvalidRequestError, RequestFailedError
 from mpengine.protocol import EMPTY_IDS, AddRequest, Array, OutputDelta, PoolingParams
 
 
@@ -31,3 +31,20 @@ def test_a_request_that_ends_without_its_embedding_raises():
     assembly.add(OutputDelta("r", 0, EMPTY_IDS, "", "error", error="step 3 failed"))
     with pytest.raises(RequestFailedError, match="step 3 failed"):
         assembly.embedding_output()
+
+
+def test_prompt_token_ids_are_checked_before_they_are_packed() -> None:
+    assert token_array([1, 2, 2**31 - 1]).numpy().tolist() == [1, 2, 2**31 - 1]
+    assert token_array(np.arange(3)).numpy().tolist() == [0, 1, 2]
+    assert len(token_array([])) == 0
+    for prompt, message in [
+        ([2**31], "outside int32"),
+        ([10**20], "outside int32"),
+        ([-(2**31) - 1], "outside int32"),
+        ([5.0, 6.0], "integers"),
+        ([True], "integers"),
+        ([[1, 2]], "integers"),
+        (b"ab", "not bytes"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=message):
+            token_array(prompt)

@@ -139,6 +139,30 @@ def test_cross_field_checks():
         DECODERS["client_request"]().decode(both)
 
 
+def test_vllm_spellings_and_wrong_types():
+    """What vLLM's ``SamplingParams`` takes works the same; a wrong type or an integer
+    msgpack cannot carry is a ``ValueError`` naming the field, not a ``TypeError`` or an
+    ``OverflowError`` from deep inside."""
+    assert SamplingParams(stop="ab").validate().stop == ["ab"]
+    assert SamplingParams(top_k=-1).validate().top_k == 0
+    assert SamplingParams(max_tokens=None).validate().max_tokens == 2**31 - 1
+    for kwargs, field in [
+        ({"temperature": "0.5"}, "temperature"),
+        ({"n": 2.0}, "n"),
+        ({"seed": True}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs).validate()
+    with pytest.raises(msgspec.ValidationError, match=r"max_tokens"):
+        SamplingParams(max_tokens=-3).validate()
+    with pytest.raises(ValueError, match="dimensions"):
+        PoolingParams(dimensions=2**64).validate()
+    with pytest.raises(msgspec.ValidationError, match="truncate_prompt_tokens"):
+        PoolingParams(truncate_prompt_tokens=2**40).validate()
+
+
 def test_validate_before_sending():
     with pytest.raises(msgspec.ValidationError, match="temperature"):
         SamplingParams(temperature=-2.0).validate()
