@@ -112,7 +112,8 @@ class RequestTracker:
 
     ``on_output`` takes every delta the client library yields; ``on_abandoned`` is called
     when the HTTP client went away and the request was aborted: its open samples count as
-    aborted then (their final outputs are no longer delivered).
+    aborted then (their final outputs are no longer delivered). A request the engine
+    refused (``on_refused``) counts in no finish reason.
     """
 
     def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, n: int) -> None:
@@ -152,6 +153,11 @@ class RequestTracker:
         m.e2e.observe(max(0.0, t.finished_time - t.arrival_time))
         m.request_prompt_tokens.observe(self.num_prompt_tokens)
         m.request_generation_tokens.observe(self.num_generated)
+
+    def on_refused(self) -> None:
+        """The engine refused the request (bad input, overloaded): it never ran, so it
+        finished nothing, as vLLM counts."""
+        self.open_samples.clear()
 
     def on_abandoned(self) -> None:
         for _ in self.open_samples:

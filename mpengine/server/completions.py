@@ -55,6 +55,7 @@ async def create_completion(
             "best_of",
         )
     texts, prompts = _prompts(state, body.prompt)
+    state.check_prompts(prompts, "prompt")
     if body.max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     else:

@@ -49,7 +49,7 @@ class APIError(Exception):
 
     def response(self) -> Response:
         body = ErrorResponse(
-            ErrorInfo(self.message, _TYPES.get(self.status, "server_error"), self.param, self.code)
+            ErrorInfo(self.message, error_type(self.status), self.param, self.code)
         )
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return Response(
@@ -58,6 +58,11 @@ class APIError(Exception):
             media_type="application/json",
             headers=headers,
         )
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status."""
+    return _TYPES.get(status, "server_error")
 
 
 def field_of(message: str) -> str | None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 from starlette.requests import Request
 
 from mpengine.client import RequestOutput
+from mpengine.errors import InvalidRequestError
 from mpengine.protocol import SamplingParams
 from mpengine.server.errors import APIError, from_engine
 
@@ -117,6 +118,8 @@ class Generation:
         except StopAsyncIteration:
             return None
         except Exception as exc:
+            if isinstance(exc, InvalidRequestError):  # refused: it never ran
+                self.trackers[index].on_refused()
             raise from_engine(exc) from None
         self.trackers[index].on_output(delta)
         return delta

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from mpengine.client import RequestOutput
-from mpengine.server.errors import APIError
+from mpengine.server.errors import APIError, error_type
 from mpengine.server.generation import Generation, until_disconnected
 from mpengine.server.schemas import ErrorInfo, ErrorResponse
 
@@ -54,7 +54,7 @@ async def stream_response(
             async for data in chunks(first):
                 yield data
         except APIError as exc:
-            info = ErrorInfo(exc.message, "server_error", exc.param, exc.code or exc.status)
+            info = ErrorInfo(exc.message, error_type(exc.status), exc.param, exc.code or exc.status)
             yield event(ErrorResponse(info))
             yield DONE
         finally:

@@ -48,6 +48,29 @@ class ServerState:
         message = f"the model {name!r} does not exist; this server serves {self.model_names}"
         raise APIError(404, message, "model", "model_not_found")
 
+    def check_prompts(self, prompts: list[list[int]], param: str) -> None:
+        """Every prompt of a request can generate: its ids are in the vocabulary and it
+        leaves room in the context. Checked before anything is submitted, so a request
+        with one bad prompt of several is a 400 even when it streams (the engine would
+        refuse that prompt only once the others' first tokens were on their way)."""
+        vocab, limit = self.info.vocab_size, self.info.max_model_len
+        for index, prompt in enumerate(prompts):
+            where = param if len(prompts) == 1 else f"{param}[{index}]"
+            if len(prompt) >= limit:
+                raise APIError(
+                    400,
+                    f"{where} has {len(prompt)} tokens; max_model_len is {limit} and at "
+                    "least one must be left to generate",
+                    param,
+                )
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(
+                    400,
+                    f"{where}: token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                    param,
+                )
+
     def check_context(self, prompts: list[list[int]], max_tokens: int, param: str) -> None:
         """An explicit ``max_tokens`` must fit in the context after every prompt (a 400
         naming it, as OpenAI and vLLM answer), rather than being cut short silently. A

@@ -97,11 +97,13 @@ class TextTools:
 
 
 def message_dicts(messages: list[Any]) -> list[dict[str, Any]]:
-    """Chat messages as the template expects them: text parts joined into one string."""
+    """Chat messages as the template expects them: text parts joined into one string, and
+    a missing or null ``content`` (an assistant turn that called tools) as ``""``, as vLLM
+    passes it: templates read ``message['content']`` unguarded."""
     result = []
     for message in messages:
         record = message.model_dump(exclude_none=True)
-        content = record.get("content")
+        content = record.setdefault("content", "")
         if isinstance(content, list):
             texts = []
             for part in content:

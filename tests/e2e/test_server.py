@@ -418,6 +418,29 @@ def test_bad_parameters_name_the_field(api: openai.OpenAI, server: Served) -> No
     assert status == 400 and "max_model_len" in reply["error"]["message"]
     status, reply = http(server, "/v1/completions", {"prompt": []})
     assert status == 400 and reply["error"]["param"] == "prompt"
+    # Integers beyond what the engine's frames carry: 400s naming the field, not 500s.
+    for body, field in [
+        ({"prompt": "x", "seed": 2**64}, "seed"),
+        ({"prompt": "x", "seed": -(2**63) - 1}, "seed"),
+        ({"prompt": [2**31]}, "prompt"),
+        ({"prompt": [[5], [10**20]]}, "prompt"),
+    ]:
+        status, reply = http(server, "/v1/completions", body)
+        assert status == 400 and reply["error"]["param"] == field, (body, reply)
+    # One bad prompt of several is a 400 before anything streams, not an error mid-stream,
+    # and a refused request counts in no finish reason (it never ran).
+    aborts = ("mpengine:request_success_total", (("finished_reason", "abort"),))
+    before = _metrics(server).get(aborts, 0.0)
+    for stream in (False, True):
+        body = {"prompt": [[5, 6], [5, 9_999_999]], "max_tokens": 2, "stream": stream}
+        status, reply = http(server, "/v1/completions", body)
+        assert status == 400, reply
+        assert reply["error"]["message"].startswith("prompt[1]: token id 9999999")
+        assert reply["error"]["type"] == "invalid_request_error"
+    body = {"prompt": "x", "stop_token_ids": [9_999_999]}  # refused by the engine itself
+    status, reply = http(server, "/v1/completions", body)
+    assert status == 400 and "stop_token_ids" in reply["error"]["message"], reply
+    assert _metrics(server).get(aborts, 0.0) == before
     raw = urllib.request.Request(server.url + "/v1/completions", data=b"not json")
     raw.add_header("Content-Type", "application/json")
     raw.add_header("Authorization", f"Bearer {KEY}")
@@ -438,6 +461,14 @@ def test_bad_parameters_name_the_field(api: openai.OpenAI, server: Served) -> No
     with pytest.raises(openai.BadRequestError) as error:
         api.chat.completions.create(model="tiny", messages=[], max_tokens=2)
     assert error.value.body["param"] == "messages"
+    # An assistant turn without content (it called tools) is replayed as OpenAI allows.
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "more"},
+    ]
+    reply = api.chat.completions.create(model="tiny", messages=history, max_tokens=2)
+    assert reply.choices[0].finish_reason == "length"
 
 
 def test_too_large_body_is_413(server: Served) -> None:
