@@ -14,8 +14,10 @@ Steps are grouped in size classes by their token count (1, 2-3, 4-7, ... tokens)
 the count of the lowest median step time. The load beside the engine changes, and a
 parallel region whose core is taken stalls (with a busy neighbour process, two threads
 took 5-15x longer per step here, one thread about 1.2x): a class is timed again after
-``recheck`` more steps, or as soon as the median of its last ``window`` steps is
-``slowdown`` times the median it was chosen at. An explicit ``num_threads`` turns this off.
+``first_recheck`` more steps, then after twice as many each time up to ``recheck`` (a
+choice made while the machine was busy does not last), or as soon as the median of its
+last ``window`` steps is ``slowdown`` times the median it was chosen at. An explicit
+``num_threads`` turns this off.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class _SizeClass:
     chosen: int | None = None
     chosen_median: float = 0.0
     steps_since_choice: int = 0
+    interval: int = 0  # steps until the next timing
     recent: deque[float] = field(default_factory=deque)  # the last steps at the choice
 
 
@@ -47,6 +50,7 @@ class ThreadTuner:
         self,
         candidates: tuple[int, ...],
         trials: int = 4,
+        first_recheck: int = 64,
         recheck: int = 1000,
         window: int = 8,
         slowdown: float = 1.5,
@@ -56,6 +60,7 @@ class ThreadTuner:
             raise ValueError(f"thread candidates must be >= 1, got {candidates}")
         self.candidates = tuple(sorted(set(candidates)))
         self.trials = trials
+        self.first_recheck = min(first_recheck, recheck)
         self.recheck = recheck
         self.window = window
         self.slowdown = slowdown
@@ -72,7 +77,7 @@ class ThreadTuner:
         """Set the thread count for a step of ``num_tokens`` tokens; returns it."""
         key = self.size_class(num_tokens)
         size = self._classes.setdefault(key, _SizeClass())
-        trial = size.chosen is None or size.steps_since_choice >= self.recheck
+        trial = size.chosen is None or size.steps_since_choice >= size.interval
         if trial:
             # Round robin over the candidates, fewest samples first.
             threads = min(self.candidates, key=lambda n: len(size.samples.get(n, ())))
@@ -98,7 +103,7 @@ class ThreadTuner:
                 size.recent.popleft()
             slow = size.chosen_median * self.slowdown
             if len(size.recent) == self.window and statistics.median(size.recent) > slow:
-                size.steps_since_choice = self.recheck  # time the candidates again
+                size.steps_since_choice = size.interval  # time the candidates again
             return
         size.samples.setdefault(threads, []).append(seconds)
         if any(len(size.samples.get(n, ())) < self.trials for n in self.candidates):
@@ -115,6 +120,7 @@ class ThreadTuner:
                 ", ".join(f"{1e3 * t:.2f} ms with {n}" for n, t in sorted(medians.items())),
             )
         size.chosen, size.chosen_median = chosen, medians[chosen]
+        size.interval = min(2 * size.interval, self.recheck) or self.first_recheck
         size.steps_since_choice, size.samples = 0, {}
         size.recent.clear()
 

@@ -85,3 +85,11 @@ def test_a_slowdown_at_the_chosen_count_times_the_candidates_again() -> None:
     assert used[4:8] == [1, 2, 1, 2]  # timed again at once, not after `recheck` steps
     assert used[8:] == [1] * 3
     assert tuner.choices() == {127: 1}
+
+
+def test_rechecks_come_soon_then_twice_as_far_apart_each_time() -> None:
+    tuner = ThreadTuner((1, 2), trials=2, first_recheck=3, recheck=12, set_threads=lambda n: None)
+    used = run_steps(tuner, 8, {1: 0.01, 2: 0.02}, 4 + 3 + 4 + 6 + 4 + 12 + 4 + 12)
+    trial, chosen = [1, 2, 1, 2], [1]
+    expected = trial + chosen * 3 + trial + chosen * 6 + trial + chosen * 12 + trial + chosen * 12
+    assert used == expected
