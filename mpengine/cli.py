@@ -142,10 +142,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     "token_ids": sample.token_ids,
                     "finish_reason": sample.finish_reason,
                 }
+                if sample.logprobs is not None:
+                    # Per token: [token id, logprob] pairs, the sampled token first.
+                    record["logprobs"] = [list(map(list, step.items())) for step in sample.logprobs]
                 print(json.dumps(record, ensure_ascii=False))
             else:
                 print(f"{prompt}{sample.text}")
                 print(f"  [{len(sample.token_ids)} tokens, finish_reason={sample.finish_reason}]")
+                for token_id, step in zip(sample.token_ids, sample.logprobs or [], strict=False):
+                    top = "  ".join(f"{t}:{lp:.3f}" for t, lp in step.items() if t != token_id)
+                    print(f"  {token_id}: {step.get(token_id, float('nan')):.3f}  top: {top}")
     num_tokens = sum(len(s.token_ids) for o in outputs for s in o.outputs)
     print(
         f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tokens/s)",
@@ -203,6 +209,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from mpengine.client import Client
     from mpengine.runtime.timing import breakdown, counters
 
+    check_address(args.address)
     with Client(args.address, timeout=args.timeout, auth_token=args.auth_token) as client:
         stats = client.stats()
     fields = {name: getattr(stats, name) for name in stats.__struct_fields__}
@@ -211,6 +218,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     fields["per_step"] = breakdown(stats.stages)
     print(json.dumps(fields, indent=2))
     return 0
+
+
+def check_address(address: str) -> None:
+    if not address.startswith(("ipc://", "tcp://")):
+        raise SystemExit(f"mpengine: {address!r} is not an ipc:// or tcp:// address")
 
 
 def build_parser() -> argparse.ArgumentParser:

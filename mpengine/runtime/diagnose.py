@@ -309,7 +309,10 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     """``mpengine stacks``: every thread's stack, for each process of the engine."""
     if (args.address is None) == (args.pid is None):
         raise SystemExit("mpengine stacks: give an ipc:// ADDRESS or --pid PID")
-    engine = find_engine(args.address, args.pid)
+    try:
+        engine = find_engine(args.address, args.pid)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"mpengine stacks: {exc}") from None
     dumps = dump_stacks(engine, False if args.faulthandler else None, args.timeout)
     print(format_stacks(dumps, engine))
     return 0

@@ -58,9 +58,11 @@ class Control:
         self.stage = stage
         self.conn = conn
         self.decoder = control_decoder()
+        self.started = False  # ready() was sent
 
     def ready(self, model: ModelInfo | None = None) -> None:
         self.conn.send_bytes(encoder.encode(StageReady(self.stage, os.getpid(), model)))
+        self.started = True
 
     def failed(self, message: str) -> None:
         with contextlib.suppress(OSError):
@@ -148,7 +150,13 @@ def run_stage(
                 raise ValueError(f"unknown stage {stage!r}")
         run(config, wiring, control, stop)
     except BaseException as exc:
-        logger.error("%s stopped by an error:\n%s", stage, traceback.format_exc())
+        if not control.started and isinstance(exc, ValueError | OSError):
+            # What a user gave that cannot work (an unknown model, a missing file, a cache
+            # too small, an address in use): the launcher reports it in one line; the
+            # traceback is for --log-level DEBUG.
+            logger.debug("%s cannot start:\n%s", stage, traceback.format_exc())
+        else:
+            logger.error("%s stopped by an error:\n%s", stage, traceback.format_exc())
         control.failed(failure_message(exc))
         raise SystemExit(1) from None
     logger.info("%s stopped", stage)

@@ -10,7 +10,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("HTTP")
     group.add_argument("--host", default="127.0.0.1", help="HTTP address (default: 127.0.0.1)")
     group.add_argument(
-        "--port", type=int, default=8000, help="HTTP port (default: 8000; 0: any free port)"
+        "--port", type=port, default=8000, help="HTTP port (default: 8000; 0: any free port)"
     )
     group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     group.add_argument("--api-key-file", default=None, help="read the API key from this file")
@@ -35,3 +35,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--uvicorn-log-level", default="warning", help="uvicorn's log level (default: warning)"
     )
+
+
+def port(text: str) -> int:
+    """argparse type of a TCP port."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535)")
+    return value

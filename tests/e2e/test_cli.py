@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from tokenizers import Tokenizer
 
 import mpengine
@@ -46,12 +47,17 @@ def test_generate_prints_completions():
         "processes",
         "--log-level",
         "WARNING",
+        "--logprobs",
+        "2",
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["prompt"] for r in records] == ["Hello there", "The sea"]
     assert all(len(r["token_ids"]) == 5 and r["finish_reason"] == "length" for r in records)
+    for r in records:  # per token, [id, logprob] pairs: the sampled token first, then top 2
+        assert [step[0][0] for step in r["logprobs"]] == r["token_ids"]
+        assert all(2 <= len(step) <= 3 and all(lp <= 0 for _, lp in step) for step in r["logprobs"])
     assert "tokens/s" in done.stderr
 
 
@@ -86,6 +92,19 @@ def test_refused_requests_and_unreachable_engines_fail_in_one_line(tmp_path, cap
     assert main(["stats", f"ipc://{tmp_path}/nobody", "--timeout", "0.5"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("mpengine: no answer from an engine at ipc://") and "Traceback" not in err
+    for argv, message in [
+        (["stats", "garbage"], "'garbage' is not an ipc:// or tcp:// address"),
+        (["stacks", "garbage"], "'garbage' is not an ipc:// address"),
+        (["stacks", f"ipc://{tmp_path}/nobody"], "no running engine found"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert message in str(exit_info.value.code), argv
+    # An engine that cannot start: the launcher's one line, no stage traceback.
+    argv = ["generate", "--model", "no-such-model", "--runtime", "serial", "--prompt", "x"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "unknown model 'no-such-model'" in err and "Traceback" not in err
 
 
 def test_ctrl_c_stops_the_engine_and_exits_130(tmp_path):
@@ -122,6 +141,9 @@ def test_bad_flags_fail_clearly():
     cmd = [sys.executable, "-m", "mpengine.cli", "generate", "--async-depth", "3"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "async_depth" in done.stderr
+    cmd = [sys.executable, "-m", "mpengine.cli", "serve", "--port", "99999"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "99999 is not a port" in done.stderr
 
 
 def test_serve_then_connect_and_stats(tmp_path):
