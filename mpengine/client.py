@@ -62,6 +62,7 @@ from mpengine.errors import (
     RequestFailedError,
 )
 from mpengine.protocol import (
+    INT32_MAX,
     Abort,
     AddRequest,
     Array,
@@ -88,7 +89,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
-INT32_RANGE = (-(2**31), 2**31 - 1)
 Sink = Callable[[Any], None]  # receives a delta or reply, or an exception to raise
 T = TypeVar("T")
 
@@ -119,8 +119,7 @@ def token_array(prompt: Sequence[int]) -> Array:
         )
         if ids.ndim != 1 or not integral:
             raise InvalidRequestError("prompt: token ids must be a flat list of integers")
-        low, high = INT32_RANGE
-        if ids.min() < low or ids.max() > high:
+        if ids.min() < -INT32_MAX - 1 or ids.max() > INT32_MAX:
             raise InvalidRequestError("prompt: a token id is outside int32")
     return Array.of(ids)
 

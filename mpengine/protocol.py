@@ -288,7 +288,8 @@ def _check_numbers(params: msgspec.Struct, ints: tuple[str, ...], floats: tuple[
 
 
 def _is_int32(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and -(2**31) <= value < 2**31
+    in_range = isinstance(value, int) and -INT32_MAX - 1 <= value <= INT32_MAX
+    return in_range and not isinstance(value, bool)
 
 
 def _revalidate(params: msgspec.Struct) -> Any:

@@ -40,7 +40,7 @@ class _SizeClass:
     chosen_median: float = 0.0
     steps_since_choice: int = 0
     interval: int = 0  # steps until the next timing
-    recent: deque[float] = field(default_factory=deque)  # the last steps at the choice
+    recent: deque[float] = field(default_factory=deque)  # the last `window` steps at it
 
 
 class ThreadTuner:
@@ -76,7 +76,9 @@ class ThreadTuner:
     def begin(self, num_tokens: int) -> int:
         """Set the thread count for a step of ``num_tokens`` tokens; returns it."""
         key = self.size_class(num_tokens)
-        size = self._classes.setdefault(key, _SizeClass())
+        size = self._classes.get(key)
+        if size is None:
+            size = self._classes[key] = _SizeClass(recent=deque(maxlen=self.window))
         trial = size.chosen is None or size.steps_since_choice >= size.interval
         if trial:
             # Round robin over the candidates, fewest samples first.
@@ -99,8 +101,6 @@ class ThreadTuner:
         size = self._classes[key]
         if not trial:
             size.recent.append(seconds)
-            if len(size.recent) > self.window:
-                size.recent.popleft()
             slow = size.chosen_median * self.slowdown
             if len(size.recent) == self.window and statistics.median(size.recent) > slow:
                 size.steps_since_choice = size.interval  # time the candidates again

@@ -63,8 +63,8 @@ class ServerState:
                     "least one must be left to generate",
                     param,
                 )
-            bad = next((t for t in prompt if not 0 <= t < vocab), None)
-            if bad is not None:
+            if min(prompt) < 0 or max(prompt) >= vocab:  # the scan below only names it
+                bad = next(t for t in prompt if not 0 <= t < vocab)
                 raise APIError(
                     400,
                     f"{where}: token id {bad} is outside the vocabulary (0..{vocab - 1})",
