@@ -61,6 +61,10 @@ async def create_chat_completion(
         raise bad_request("logit_bias is not supported", "logit_bias")
     if not body.messages:
         raise bad_request("messages is empty: give at least one message", "messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    if misuse := body.misuse():
+        raise bad_request(*misuse)
     prompt = chat_prompt(state, body)
     if len(prompt) >= state.info.max_model_len:
         raise bad_request(
@@ -80,7 +84,7 @@ async def create_chat_completion(
     try:
         params = body.sampling_params(max_tokens, num_top if body.logprobs else None)
     except (msgspec.ValidationError, ValueError) as exc:
-        raise invalid_value(exc) from None
+        raise invalid_value(exc, {"logprobs": "top_logprobs", **body.engine_names()}) from None
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(state, [prompt], params, request_id)
     view = _View(state, body, model, request_id, prompt, num_top)

@@ -4,7 +4,10 @@
 A prompt is a string, a list of strings, token ids or a list of token-id lists; each is one
 engine request of ``n`` samples, and choice ``i * n + j`` is sample ``j`` of prompt ``i``.
 ``echo`` puts the prompt before each choice's text (and, with ``logprobs``, its tokens'
-logprobs before the generated ones', the first being null).
+logprobs before the generated ones', the first being null); ``echo`` with ``max_tokens: 0``
+returns the prompt alone, as vLLM does (how evaluation harnesses score a text: one token is
+computed and dropped). ``prompt_logprobs: N`` (vLLM's) adds each choice's
+``prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from starlette.responses import Response
 from mpengine.client import RequestOutput
 from mpengine.server.errors import bad_request, invalid_value
 from mpengine.server.generation import Generation, PromptResult, until_disconnected
-from mpengine.server.logprobs import completion_logprobs
+from mpengine.server.logprobs import completion_logprobs, prompt_logprob_entries
 from mpengine.server.schemas import (
     Completion,
     CompletionChoice,
@@ -43,6 +46,8 @@ async def create_completion(
         raise bad_request("suffix is not supported", "suffix")
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    if misuse := body.misuse():
+        raise bad_request(*misuse)
     if body.stream and body.use_beam_search:
         raise bad_request(
             "beam search cannot be streamed: the best beams are known only at the end",
@@ -56,21 +61,22 @@ async def create_completion(
         )
     texts, prompts = _prompts(state, body.prompt)
     state.check_prompts(prompts, "prompt")
+    echo_only = body.echo and body.max_tokens == 0
     if body.max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     else:
-        max_tokens = body.max_tokens
+        max_tokens = 1 if echo_only else body.max_tokens
         state.check_context(prompts, max_tokens, "max_tokens")
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:  # the echoed prompt shows its logprobs too
-        prompt_logprobs = body.logprobs
+        prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
     try:
         params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs, body.best_of)
     except (msgspec.ValidationError, ValueError) as exc:
-        raise invalid_value(exc) from None
+        raise invalid_value(exc, body.engine_names(body.best_of)) from None
     request_id = f"cmpl-{uuid.uuid4().hex}"
     generation = Generation(state, prompts, params, request_id)
-    view = _View(state, body, model, request_id, texts, prompts)
+    view = _View(state, body, model, request_id, texts, prompts, echo_only)
     if body.stream:
         return await stream_response(request, generation, view.stream(generation))
     results = await until_disconnected(request, generation.collect())
@@ -105,8 +111,10 @@ class _View:
         request_id: str,
         texts: list[str | None],
         prompts: list[list[int]],
+        echo_only: bool = False,
     ) -> None:
         self.state = state
+        self.echo_only = echo_only  # the sampled token is dropped
         self.body = body
         self.model = model
         self.id = request_id
@@ -128,7 +136,13 @@ class _View:
         if self.body.logprobs is None:
             return text, None, len(text)
         ids = self.prompts[index]
-        rows = prompt_logprobs if prompt_logprobs is not None else [None] * len(ids)
+        if prompt_logprobs is None:
+            rows = [None] * len(ids)
+        else:  # the top ``logprobs`` of rows that may hold more (``prompt_logprobs``)
+            rows = [
+                row and _top(row, ids[i], self.body.logprobs)
+                for i, row in enumerate(prompt_logprobs)
+            ]
         logprobs, _ = completion_logprobs(self.state.text, ids, rows, 0)
         return text, logprobs, len(text)
 
@@ -140,9 +154,13 @@ class _View:
         finish_reason: str | None,
         stop_reason: str | int | None,
         token_ids: list[int],
-        prompt_token_ids: list[int] | None,
+        prompt_index: int | None,
+        prompt_rows: list[dict[int, float] | None] | None = None,
     ) -> CompletionChoice:
+        """A choice; ``prompt_index`` names the prompt in the choice's first chunk only."""
         ids = self.body.return_token_ids
+        prompt = None if prompt_index is None else self.prompts[prompt_index]
+        num_top = self.body.prompt_logprobs
         return CompletionChoice(
             index,
             text,
@@ -150,7 +168,10 @@ class _View:
             finish_reason,
             stop_reason,
             token_ids if ids else None,
-            prompt_token_ids if ids else None,
+            prompt if ids else None,
+            prompt_logprob_entries(self.state.text, prompt, prompt_rows, num_top)
+            if num_top is not None and prompt is not None and prompt_rows is not None
+            else None,
         )
 
     def whole(self, results: list[PromptResult]) -> Completion:
@@ -161,24 +182,28 @@ class _View:
                 text, logprobs, offset = "", None, 0
                 if self.body.echo:
                     text, logprobs, offset = self._echo(prompt_index, result.prompt_logprobs)
-                if self.body.logprobs is not None:
+                token_ids, stop_reason = sample.token_ids, sample.stop_reason
+                if self.echo_only:
+                    token_ids, stop_reason = [], None
+                else:
+                    text += sample.text
+                if self.body.logprobs is not None and not self.echo_only:
                     rows = sample.logprobs or []
-                    generated, _ = completion_logprobs(
-                        self.state.text, sample.token_ids, rows, offset
-                    )
+                    generated, _ = completion_logprobs(self.state.text, token_ids, rows, offset)
                     logprobs = _join(logprobs, generated)
                 choices.append(
                     self._choice(
                         prompt_index * self.n + sample_index,
-                        text + sample.text,
+                        text,
                         logprobs,
-                        sample.finish_reason,
-                        sample.stop_reason,
-                        sample.token_ids,
-                        result.prompt_token_ids,
+                        "length" if self.echo_only else sample.finish_reason,
+                        stop_reason,
+                        token_ids,
+                        prompt_index,
+                        result.prompt_logprobs,
                     )
                 )
-            num_generated += result.num_generated
+            num_generated += 0 if self.echo_only else result.num_generated
         return Completion(
             self.id, self.created, self.model, choices, usage=self._usage(num_generated)
         )
@@ -203,31 +228,37 @@ class _View:
                 index = prompt_index * self.n + sample.index
                 if delta.prompt_logprobs is not None:
                     prompt_logprobs[prompt_index] = delta.prompt_logprobs
-                text, logprobs, prompt_ids = sample.text, None, None
+                text, logprobs, first = sample.text, None, None
+                token_ids, stop_reason = sample.token_ids, sample.stop_reason
+                finish_reason = sample.finish_reason
+                if self.echo_only:
+                    text, token_ids, stop_reason = "", [], None
+                    finish_reason = finish_reason and "length"
                 if index not in offsets:  # this choice's first chunk
                     offsets[index] = 0
-                    prompt_ids = self.prompts[prompt_index]
+                    first = prompt_index
                     if self.body.echo:
                         echoed, logprobs, offsets[index] = self._echo(
                             prompt_index, prompt_logprobs.get(prompt_index)
                         )
                         text = echoed + text
-                if self.body.logprobs is not None:
+                if self.body.logprobs is not None and token_ids:
                     generated, offsets[index] = completion_logprobs(
-                        self.state.text, sample.token_ids, sample.logprobs or [], offsets[index]
+                        self.state.text, token_ids, sample.logprobs or [], offsets[index]
                     )
                     logprobs = _join(logprobs, generated)
                 choice = self._choice(
                     index,
                     text,
                     logprobs,
-                    sample.finish_reason,
-                    sample.stop_reason,
-                    sample.token_ids,
-                    prompt_ids,
+                    finish_reason,
+                    stop_reason,
+                    token_ids,
+                    first,
+                    prompt_logprobs.get(prompt_index),
                 )
                 yield event(Completion(self.id, self.created, self.model, [choice]))
-                num_generated += len(sample.token_ids)
+                num_generated += len(token_ids)
                 item = await generation.next()
             options = self.body.stream_options
             if options is not None and options.include_usage:
@@ -236,6 +267,15 @@ class _View:
             yield DONE
 
         return chunks
+
+
+def _top(row: dict[int, float], token_id: int, num_top: int) -> dict[int, float]:
+    """The ``num_top`` most likely entries of ``row`` and ``token_id``'s."""
+    if len(row) <= num_top:
+        return row
+    top = dict(sorted(row.items(), key=lambda item: -item[1])[:num_top])
+    top[token_id] = row[token_id]
+    return top
 
 
 def _join(first: CompletionLogprobs | None, second: CompletionLogprobs) -> CompletionLogprobs:

@@ -78,9 +78,14 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param if param is not None else field_of(message))
 
 
-def invalid_value(exc: Exception) -> APIError:
-    """A ``msgspec.ValidationError`` or ``ValueError`` from building ``SamplingParams``."""
-    return bad_request(str(exc))
+def invalid_value(exc: Exception, names: dict[str, str] | None = None) -> APIError:
+    """A ``msgspec.ValidationError`` or ``ValueError`` from building ``SamplingParams``;
+    ``names`` maps the engine's fields to the request's where they differ (chat's
+    ``top_logprobs`` is the engine's ``logprobs``), so the message names what was sent."""
+    message = str(exc)
+    for engine_name, name in (names or {}).items():
+        message = re.sub(rf"(`\$\.|^){engine_name}\b", rf"\g<1>{name}", message)
+    return bad_request(message)
 
 
 def from_engine(exc: BaseException) -> APIError:

@@ -8,7 +8,13 @@ text, logprob and UTF-8 bytes, with exactly the N most likely alternatives.
 
 from __future__ import annotations
 
-from mpengine.server.schemas import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from mpengine.server.schemas import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    TokenLogprob,
+    TopLogprob,
+)
 from mpengine.server.text import TextTools
 
 
@@ -34,6 +40,35 @@ def completion_logprobs(
             values.append(row.get(token_id))
             tops.append({text.token_text(t): v for t, v in row.items()})
     return CompletionLogprobs(offsets, values, tokens, tops), offset
+
+
+def prompt_logprob_entries(
+    text: TextTools,
+    token_ids: list[int],
+    rows: list[dict[int, float] | None],
+    num_top: int,
+) -> list[dict[int, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs`` of a completion choice: per prompt token, it and the top
+    ``num_top`` with their logprob, rank (1 = most likely) and text. A row holds at least
+    the top ``num_top`` of the vocabulary, so their ranks are exact; the prompt token, when
+    it is not among them, gets a null rank."""
+    out: list[dict[int, PromptLogprob] | None] = []
+    for token_id, row in zip(token_ids, rows, strict=True):
+        if row is None:
+            out.append(None)
+            continue
+        ranked = sorted(row.items(), key=lambda item: -item[1])
+        values = [v for _, v in ranked]
+        entries = {}
+        for t, v in ranked[:num_top]:
+            entries[t] = PromptLogprob(v, 1 + sum(1 for w in values if w > v), text.token_text(t))
+        if token_id not in entries:
+            value = row[token_id]
+            tied = num_top > 0 and value >= values[num_top - 1]
+            rank = 1 + sum(1 for w in values if w > value) if tied else None
+            entries[token_id] = PromptLogprob(value, rank, text.token_text(token_id))
+        out.append(entries)
+    return out
 
 
 def chat_logprobs(

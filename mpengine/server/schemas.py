@@ -55,6 +55,18 @@ class SamplingFields(BaseModel):
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
 
+    def engine_names(self, best_of: int | None = None) -> dict[str, str]:
+        """The request's names of engine fields it sets under another name."""
+        if self.use_beam_search:
+            return {"beam_width": "best_of" if best_of is not None else "n"}
+        return {}
+
+    def misuse(self) -> tuple[str, str] | None:
+        """(message, field) of options that only make sense with others, as vLLM refuses them."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options can only be given with stream: true", "stream_options"
+        return None
+
     def sampling_params(
         self,
         max_tokens: int,
@@ -190,6 +202,15 @@ class CompletionLogprobs(msgspec.Struct):
     top_logprobs: list[dict[str, float] | None]
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's ``Logprob``: ``rank`` is null for a prompt token outside the top N asked for
+    (its exact rank is not computed)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
 class CompletionChoice(msgspec.Struct, **_OUT):
     index: int
     text: str
@@ -198,6 +219,8 @@ class CompletionChoice(msgspec.Struct, **_OUT):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    # vLLM's: per prompt token (the first null), it and the top ``prompt_logprobs``
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class Completion(msgspec.Struct, tag_field="object", tag="text_completion", **_OUT):

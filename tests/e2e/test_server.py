@@ -327,6 +327,62 @@ def test_logprobs_and_echo(api: openai.OpenAI, server: Served) -> None:
         assert value == pytest.approx(max(top.values()))  # greedy: the chosen is the likeliest
 
 
+def test_echo_without_generation_scores_the_prompt(api: openai.OpenAI, server: Served, ipc) -> None:
+    """``echo`` + ``max_tokens: 0`` returns the prompt alone with its logprobs (how
+    evaluation harnesses score a text), the same as the first positions of a generation."""
+    ids = tokenize(server, prompt="Once upon a time")
+    common = dict(model="tiny", prompt="Once upon a time", temperature=0, logprobs=1, echo=True)
+    scored = api.completions.create(max_tokens=0, **common)
+    longer = api.completions.create(max_tokens=3, extra_body={"ignore_eos": True}, **common)
+    choice = scored.choices[0]
+    assert choice.text == "Once upon a time" and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens == len(ids)
+    assert choice.logprobs.tokens == longer.choices[0].logprobs.tokens[: len(ids)]
+    assert choice.logprobs.token_logprobs == longer.choices[0].logprobs.token_logprobs[: len(ids)]
+    reference = ipc.generate(
+        ids, SamplingParams(max_tokens=1, prompt_logprobs=1), timeout=REQUEST_TIMEOUT_S
+    ).prompt_logprobs
+    values = [None] + [row[t] for row, t in zip(reference[1:], ids[1:], strict=True)]
+    assert choice.logprobs.token_logprobs == pytest.approx(values, abs=1e-6)
+
+    chunks = list(api.completions.create(max_tokens=0, stream=True, **common))
+    assert "".join(c.choices[0].text for c in chunks) == "Once upon a time"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        api.completions.create(model="tiny", prompt="a", max_tokens=0)
+
+
+def test_prompt_logprobs_in_vllm_shape(api: openai.OpenAI, server: Served, ipc) -> None:
+    ids = tokenize(server, prompt="Once upon a time")
+    status, reply = http(
+        server,
+        "/v1/completions",
+        {"model": "tiny", "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2},
+    )
+    assert status == 200, reply
+    rows = reply["choices"][0]["prompt_logprobs"]
+    reference = ipc.generate(
+        ids, SamplingParams(max_tokens=1, prompt_logprobs=2), timeout=REQUEST_TIMEOUT_S
+    ).prompt_logprobs
+    assert len(rows) == len(ids) and rows[0] is None
+    for row, ref, token in zip(rows[1:], reference[1:], ids[1:], strict=True):
+        assert {int(t) for t in row} == set(ref)
+        assert str(token) in row
+        top = sorted(ref.items(), key=lambda item: -item[1])[:2]
+        for rank, (t, value) in enumerate(top, 1):
+            assert row[str(t)]["rank"] == rank
+            assert row[str(t)]["logprob"] == pytest.approx(value, abs=1e-6)
+        if token not in dict(top):
+            assert row[str(token)]["rank"] is None  # outside the top 2: not computed
+        assert all(isinstance(entry["decoded_token"], str) for entry in row.values())
+    # without it, the choice has no such field
+    status, reply = http(
+        server, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 1}
+    )
+    assert "prompt_logprobs" not in reply["choices"][0]
+
+
 # -- chat --------------------------------------------------------------------------------------
 
 
@@ -412,6 +468,20 @@ def test_bad_parameters_name_the_field(api: openai.OpenAI, server: Served) -> No
         assert error.value.body["type"] == "invalid_request_error"
     status, reply = http(server, "/v1/completions", {"prompt": "x", "temperature": "hot"})
     assert status == 400 and reply["error"]["param"] == "temperature"
+    # The field the request sent, where the engine calls it otherwise; options that need
+    # another one refused as vLLM does.
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for path, body, field in [
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "stream_options": {}}, "stream_options"),
+        ("/v1/completions", {"prompt": "x", "stream_options": {}}, "stream_options"),
+        ("/v1/completions", {"prompt": "x", "use_beam_search": True, "best_of": 99}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 99}, "n"),
+    ]:
+        status, reply = http(server, path, body)
+        assert status == 400 and reply["error"]["param"] == field, (body, reply)
+        assert field in reply["error"]["message"], reply
     status, reply = http(server, "/v1/completions", {"prompt": [9_999_999]})
     assert status == 400 and "vocabulary" in reply["error"]["message"]
     status, reply = http(server, "/v1/completions", {"prompt": [1] * 5000})
