@@ -175,9 +175,10 @@ class Detokenizer:
     @classmethod
     def from_path(cls, path: str) -> Detokenizer:
         """Load ``tokenizer.json`` from a model directory, or the file itself."""
-        if os.path.isdir(path):
-            path = os.path.join(path, "tokenizer.json")
-        return cls(Tokenizer.from_file(path))
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"no tokenizer at {path!r} (a tokenizer.json or its directory)")
+        return cls(Tokenizer.from_file(file))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

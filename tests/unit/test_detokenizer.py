@@ -165,3 +165,9 @@ def test_window_stream_cannot_grow_without_bound() -> None:
     for _ in range(100):
         stream.push(2)
     assert len(stream._ids) <= 2 * MAX_PENDING_TOKENS
+
+
+def test_a_missing_tokenizer_names_its_path(tmp_path) -> None:
+    for path in (tmp_path / "absent", tmp_path):  # no such path; a directory without one
+        with pytest.raises(FileNotFoundError, match=str(path)):
+            Detokenizer.from_path(str(path))
