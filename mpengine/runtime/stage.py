@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 import setproctitle
+import zmq
 
 from mpengine.config import EngineConfig
 from mpengine.protocol import ModelInfo, StageFailed, StageReady, Wiring, control_decoder, encoder
@@ -150,7 +151,7 @@ def run_stage(
                 raise ValueError(f"unknown stage {stage!r}")
         run(config, wiring, control, stop)
     except BaseException as exc:
-        if not control.started and isinstance(exc, ValueError | OSError):
+        if not control.started and isinstance(exc, ValueError | OSError | zmq.ZMQError):
             # What a user gave that cannot work (an unknown model, a missing file, a cache
             # too small, an address in use): the launcher reports it in one line; the
             # traceback is for --log-level DEBUG.
