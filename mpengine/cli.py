@@ -122,19 +122,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = sampling_from_args(args)
     prompts = args.prompt or ["The quick brown fox"]
+    stream = args.stream and len(prompts) == 1 and params.n == 1 and not args.json
+    if args.stream and not stream:
+        print(
+            "mpengine: --stream prints one prompt's text with n = 1, not as --json; "
+            "printing the outputs when they are done",
+            file=sys.stderr,
+        )
     with Engine(config_from_args(args)) as engine, engine.client() as client:
-        if args.stream and len(prompts) == 1 and params.n == 1:
+        start = time.perf_counter()
+        if stream:
+            from mpengine.client import CompletionOutput, RequestOutput
+
+            whole = CompletionOutput(0, logprobs=[] if params.logprobs is not None else None)
+            sys.stdout.write(prompts[0])
             for delta in client.stream(prompts[0], params):
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
+                whole.text += delta.text
+                whole.token_ids += delta.token_ids
+                whole.finish_reason = delta.finish_reason
+                if whole.logprobs is not None:
+                    whole.logprobs += delta.outputs[0].logprobs or []
             sys.stdout.write("\n")
-            return 0
-        start = time.perf_counter()
-        outputs = client.generate_many(prompts, params)
+            outputs = [RequestOutput("", [], [whole], finished=True)]
+        else:
+            outputs = client.generate_many(prompts, params)
         elapsed = time.perf_counter() - start
     for prompt, out in zip(prompts, outputs, strict=True):
         for sample in out.outputs:
-            if args.json:
+            if stream:
+                _print_tokens(sample)
+            elif args.json:
                 record = {
                     "prompt": prompt,
                     "index": sample.index,
@@ -148,16 +167,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(json.dumps(record, ensure_ascii=False))
             else:
                 print(f"{prompt}{sample.text}")
-                print(f"  [{len(sample.token_ids)} tokens, finish_reason={sample.finish_reason}]")
-                for token_id, step in zip(sample.token_ids, sample.logprobs or [], strict=False):
-                    top = "  ".join(f"{t}:{lp:.3f}" for t, lp in step.items() if t != token_id)
-                    print(f"  {token_id}: {step.get(token_id, float('nan')):.3f}  top: {top}")
+                _print_tokens(sample)
     num_tokens = sum(len(s.token_ids) for o in outputs for s in o.outputs)
     print(
         f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tokens/s)",
         file=sys.stderr,
     )
     return 0
+
+
+def _print_tokens(sample) -> None:
+    """A sample's token count, finish reason and (when asked) each token's logprobs."""
+    print(f"  [{len(sample.token_ids)} tokens, finish_reason={sample.finish_reason}]")
+    for token_id, step in zip(sample.token_ids, sample.logprobs or [], strict=False):
+        top = "  ".join(f"{t}:{lp:.3f}" for t, lp in step.items() if t != token_id)
+        print(f"  {token_id}: {step.get(token_id, float('nan')):.3f}  top: {top}")
 
 
 def pooling_from_args(args: argparse.Namespace):

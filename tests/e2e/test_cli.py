@@ -83,6 +83,22 @@ def test_embed_prints_embeddings():
     assert done.returncode != 0 and "dimensions" in done.stderr
 
 
+def test_generate_stream_prints_what_generate_prints(capsys):
+    argv = ["generate", "--model", "tiny", "--runtime", "serial", "--prompt", "Once upon"]
+    argv += ["--max-tokens", "6", "--ignore-eos", "--temperature", "0", "--logprobs", "2"]
+    argv += ["--log-level", "WARNING"]
+    assert main(argv) == 0
+    whole = capsys.readouterr().out
+    assert main([*argv, "--stream"]) == 0
+    streamed = capsys.readouterr()
+    assert streamed.out == whole and "[6 tokens, finish_reason=length]" in whole
+    assert len(whole.splitlines()) == 2 + 6  # text, count, one line per token
+    assert main([*argv, "--stream", "--n", "2"]) == 0  # not streamable: said, then printed
+    several = capsys.readouterr()
+    assert "--stream prints one prompt's text with n = 1" in several.err
+    assert several.out.count("[6 tokens, finish_reason=length]") == 2
+
+
 def test_refused_requests_and_unreachable_engines_fail_in_one_line(tmp_path, capsys):
     argv = ["generate", "--model", "tiny", "--prompt", "", "--runtime", "serial"]
     assert main([*argv, "--log-level", "WARNING"]) == 1
