@@ -278,6 +278,28 @@ class _Assembly:
         return EmbeddingOutput(out.request_id, self.embedding, prompt, out.metrics)
 
 
+# asyncio front ends (``AsyncClient``, the HTTP server) tokenize texts longer than this, in
+# all, in a worker thread: a multi-megabyte prompt takes seconds, which must not stall every
+# other request on the event loop. ``tokenizers`` releases the GIL in ``encode_batch`` (it
+# holds it in ``encode``), so the loop keeps running meanwhile.
+INLINE_TOKENIZE_CHARS = 8192
+
+
+def encode_texts(
+    tokenizer: Tokenizer, texts: Sequence[str], add_special_tokens: bool = True
+) -> list[list[int]]:
+    """Token ids of each text, with the GIL released (``encode_batch``)."""
+    encodings = tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+    return [encoding.ids for encoding in encodings]
+
+
+async def off_the_loop(texts: Iterable[object], work: Callable[[], T]) -> T:
+    """``work()``, in a worker thread when ``texts`` (prompts: strings or token ids) hold
+    more than :data:`INLINE_TOKENIZE_CHARS` characters of text."""
+    size = sum(len(t) for t in texts if isinstance(t, str))
+    return work() if size <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(work)
+
+
 def as_transformers_encodes(tokenizer: Tokenizer) -> Tokenizer:
     """``tokenizer`` encoding one text as ``transformers``' ``tokenizer(text)`` does: a
     ``tokenizer.json`` may carry padding and truncation settings (all-MiniLM-L6-v2's pads
@@ -937,6 +959,42 @@ class _AsyncRequest(_Request):
 # -- the public clients ----------------------------------------------------------------------
 
 
+class _Window:
+    """The requests of one batch call in flight at once. The engine refuses a request
+    (``overloaded``) once ``max_waiting_requests`` requests or ``max_waiting_tokens``
+    prompt tokens wait for admission; a batch keeps at most half of each in flight (other
+    clients share the queue) and submits the rest as earlier ones finish."""
+
+    def __init__(self, info: EngineInfo) -> None:
+        self.max_requests = self.max_tokens = 1 << 62  # an engine that does not say
+        if info.max_waiting_requests:
+            self.max_requests = max(1, info.max_waiting_requests // 2)
+            self.max_tokens = max(1, info.max_waiting_tokens // 2)
+        self.sizes: deque[int] = deque()  # prompt tokens of each request in flight, in order
+        self.tokens = 0
+
+    def admits(self, request: AddRequest) -> bool:
+        """Whether ``request`` may go now; else the oldest in flight must finish first."""
+        size = len(request.prompt_token_ids)
+        fits = len(self.sizes) < self.max_requests and self.tokens + size <= self.max_tokens
+        return not self.sizes or fits
+
+    def add(self, request: AddRequest) -> None:
+        self.sizes.append(len(request.prompt_token_ids))
+        self.tokens += self.sizes[-1]
+
+    def pop_oldest(self) -> None:
+        self.tokens -= self.sizes.popleft()
+
+
+def _check_counts(prompts: Sequence, params: Sequence, request_ids: Sequence) -> None:
+    if not len(params) == len(request_ids) == len(prompts):
+        raise ValueError(
+            f"{len(prompts)} prompts, {len(params)} parameter sets and {len(request_ids)} "
+            "request ids: give one of each per prompt"
+        )
+
+
 def _per_prompt(params: Any, kind: type, count: int) -> list:
     """One parameter set per prompt: the same one for all (the default when None), or a
     sequence of them."""
@@ -970,7 +1028,7 @@ class _ClientBase:
             if (c := conn()) is not None:
                 c.engine_died(reason)
 
-        self._engine_died = engine_died  # for Engine.on_death
+        self._engine_died = engine_died  # for the Engine that made this client
 
     @property
     def info(self) -> EngineInfo:
@@ -993,8 +1051,8 @@ class _ClientBase:
                     self._tokenizer = self._load_tokenizer(reply)
         tokenizer = self._tokenizer
         if max_length is None:
-            return tokenizer.encode(text).ids
-        encoding = tokenizer.encode(text, add_special_tokens=False)
+            return encode_texts(tokenizer, [text])[0]
+        (encoding,) = tokenizer.encode_batch([text], add_special_tokens=False)
         room = max(0, max_length - tokenizer.num_special_tokens_to_add(False))
         if len(encoding.ids) > room:
             encoding.truncate(room)
@@ -1039,11 +1097,9 @@ class _ClientBase:
             limit = params.truncate_prompt_tokens
             if limit == -1:
                 limit = self.info.max_model_len
-            ids = self.tokenize(prompt, max_length=limit)
-        else:
-            ids = prompt
+            prompt = self.tokenize(prompt, max_length=limit)
         request_id = request_id or f"{self.client_id}-{next(self._ids)}"
-        return AddRequest(request_id, token_array(ids), pooling=params, arrival_time=time.time())
+        return AddRequest(request_id, token_array(prompt), pooling=params, arrival_time=time.time())
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its output finishes with reason ``abort``."""
@@ -1162,17 +1218,20 @@ class Client(_ClientBase):
         """Submit ``make(prompt, params, request id)`` for every prompt, wait for all of them
         to finish (one deadline for all); on any error or the deadline abort the unfinished."""
         ids = request_ids or [None] * len(prompts)
-        if not len(params) == len(ids) == len(prompts):
-            raise ValueError(
-                f"{len(prompts)} prompts, {len(params)} parameter sets and {len(ids)} request "
-                "ids: give one of each per prompt"
-            )
+        _check_counts(prompts, params, ids)
         deadline = _Deadline(timeout)
         requests: list[_SyncRequest] = []
+        window, done = _Window(self.info), 0
         try:
             for prompt, p, rid in zip(prompts, params, ids, strict=True):
-                requests.append(_SyncRequest(self._conn, make(prompt, p, rid)))
-            for r in requests:
+                request = make(prompt, p, rid)
+                while not window.admits(request):  # wait for the oldest in flight
+                    requests[done].result(deadline)
+                    window.pop_oldest()
+                    done += 1
+                requests.append(_SyncRequest(self._conn, request))
+                window.add(request)
+            for r in requests[done:]:
                 r.result(deadline)
             return requests
         finally:
@@ -1204,7 +1263,9 @@ class AsyncClient(_ClientBase):
         streaming: bool = False,
     ) -> _AsyncRequest:
         await self._ensure_tokenizer(prompt)
-        request = self._request(prompt, params, request_id, streaming)
+        request = await off_the_loop(
+            [prompt], lambda: self._request(prompt, params, request_id, streaming)
+        )
         return _AsyncRequest(self._conn, request)
 
     async def stream(
@@ -1266,14 +1327,28 @@ class AsyncClient(_ClientBase):
         """Submit every input at once (so they batch); return the embeddings in order."""
         params = _per_prompt(params, PoolingParams, len(prompts))
         ids = request_ids or [None] * len(prompts)
+        _check_counts(prompts, params, ids)
         deadline = _Deadline(timeout)
         requests: list[_AsyncRequest] = []
+        window, done = _Window(self.info), 0
         try:
-            for prompt, p, rid in zip(prompts, params, ids, strict=True):
-                await self._ensure_tokenizer(prompt)
-                request = self._embed_request(prompt, p, rid)
+            if any(isinstance(prompt, str) for prompt in prompts):
+                await self._ensure_tokenizer("")
+            made = await off_the_loop(
+                prompts,
+                lambda: [
+                    self._embed_request(prompt, p, rid)
+                    for prompt, p, rid in zip(prompts, params, ids, strict=True)
+                ],
+            )
+            for request in made:
+                while not window.admits(request):  # wait for the oldest in flight
+                    await requests[done].result(deadline)
+                    window.pop_oldest()
+                    done += 1
                 requests.append(_AsyncRequest(self._conn, request))
-            for r in requests:
+                window.add(request)
+            for r in requests[done:]:
                 await r.result(deadline)
             return [r.assembly.embedding_output() for r in requests]
         finally:

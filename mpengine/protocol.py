@@ -380,6 +380,9 @@ class EngineInfo(msgspec.Struct, **_WIRE):
     max_request_bytes: int = 0
     version: str = ""
     protocol_version: int = PROTOCOL_VERSION
+    # The admission queue's bounds (0: unknown); batch calls stay within them.
+    max_waiting_requests: int = 0
+    max_waiting_tokens: int = 0
 
     @property
     def is_embedding(self) -> bool:
@@ -446,6 +449,10 @@ class EngineStats(msgspec.Struct, **_WIRE):
     num_swapped: int = 0
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    # Requests queued, and refused at once (invalid, overloaded, draining). Every received
+    # request finishes once; ``finished`` also counts those aborted before admission.
+    received: int = 0
+    rejected: int = 0
 
 
 ClientRequest = Hello | AddRequest | Abort | StatsQuery | TokenizerQuery

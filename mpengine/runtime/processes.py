@@ -84,6 +84,8 @@ def engine_info(config: EngineConfig, model: ModelInfo, wiring: Wiring) -> Engin
         request_address=advertised(wiring.request_address, config.advertise_host),
         output_address=advertised(wiring.output_address, config.advertise_host),
         max_request_bytes=config.max_request_bytes,
+        max_waiting_requests=config.max_waiting_requests,
+        max_waiting_tokens=config.max_waiting_tokens,
         version=__version__,
         pooling=model.pooling,
         can_generate=model.can_generate,

@@ -127,6 +127,8 @@ class Scheduler:
         self._next_seq_id = 0
         self.counters = dict.fromkeys(
             (
+                "received",
+                "rejected",
                 "admitted",
                 "finished",
                 "aborted",
@@ -159,6 +161,14 @@ class Scheduler:
 
     def add_request(self, req: AddRequest, client_id: str) -> None:
         """Queue a request, or raise RequestRejected with a message for its client."""
+        try:
+            self._queue(req, client_id)
+        except RequestRejected:
+            self.counters["rejected"] += 1
+            raise
+        self.counters["received"] += 1
+
+    def _queue(self, req: AddRequest, client_id: str) -> None:
         if self.draining:
             raise RequestRejected(
                 "draining: the engine is shutting down and admits no new requests", "overloaded"

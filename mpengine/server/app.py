@@ -130,9 +130,9 @@ def build_app(state: ServerState) -> FastAPI:
             chat = ChatCompletionRequest(
                 messages=body.messages, add_generation_prompt=body.add_generation_prompt
             )
-            ids = chat_prompt(state, chat)
+            ids = await chat_prompt(state, chat)
         else:
-            ids = state.text.encode(body.prompt or "", body.add_special_tokens)
+            (ids,) = await state.text.encode([body.prompt or ""], body.add_special_tokens)
         strs = [state.text.token_text(t) for t in ids] if body.return_token_strs else None
         return _json(TokenizeResponse(len(ids), state.info.max_model_len, ids, strs))
 

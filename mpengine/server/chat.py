@@ -36,7 +36,7 @@ from mpengine.server.state import ServerState
 from mpengine.server.text import message_dicts
 
 
-def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     """The token ids of the rendered conversation."""
     extra = dict(body.chat_template_kwargs or {})
     text = state.text.render_chat(
@@ -45,7 +45,8 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
         body.continue_final_message,
         extra,
     )
-    return state.text.encode(text, add_special_tokens=False)
+    (ids,) = await state.text.encode([text], add_special_tokens=False)
+    return ids
 
 
 async def create_chat_completion(
@@ -65,7 +66,7 @@ async def create_chat_completion(
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if misuse := body.misuse():
         raise bad_request(*misuse)
-    prompt = chat_prompt(state, body)
+    prompt = await chat_prompt(state, body)
     if len(prompt) >= state.info.max_model_len:
         raise bad_request(
             f"the conversation has {len(prompt)} tokens; max_model_len is "

@@ -59,7 +59,7 @@ async def create_completion(
             "are known only when all have ended",
             "best_of",
         )
-    texts, prompts = _prompts(state, body.prompt)
+    texts, prompts = await _prompts(state, body.prompt)
     state.check_prompts(prompts, "prompt")
     echo_only = body.echo and body.max_tokens == 0
     if body.max_tokens is None:
@@ -83,7 +83,7 @@ async def create_completion(
     return Response(msgspec.json.encode(view.whole(results)), media_type="application/json")
 
 
-def _prompts(
+async def _prompts(
     state: ServerState, prompt: str | list[str] | list[int] | list[list[int]]
 ) -> tuple[list[str | None], list[list[int]]]:
     """Each prompt's text (None for token ids) and token ids."""
@@ -94,7 +94,9 @@ def _prompts(
     if not items:
         raise bad_request("prompt is empty", "prompt")
     texts = [item if isinstance(item, str) else None for item in items]
-    ids = [state.text.encode(item) if isinstance(item, str) else list(item) for item in items]
+    strings = [t for t in texts if t is not None]
+    encoded = iter(await state.text.encode(strings) if strings else [])
+    ids = [next(encoded) if isinstance(item, str) else list(item) for item in items]
     if any(not p for p in ids):
         raise bad_request("prompt is empty", "prompt")
     return texts, ids

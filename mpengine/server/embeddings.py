@@ -10,6 +10,7 @@ tokenized by the client library, which truncates it as ``truncate_prompt_tokens`
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import uuid
@@ -100,6 +101,10 @@ async def _embed(
     state.num_inflight += 1
     try:
         outputs = await state.client.embed_many(prompts, params, request_ids=request_ids)
+    except asyncio.CancelledError:  # abandoned: each input counts as an aborted request
+        for _ in prompts:
+            state.metrics.success("abort")
+        raise
     except Exception as exc:
         error = from_engine(exc)
         if error.status == 400:

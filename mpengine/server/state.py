@@ -54,6 +54,14 @@ class ServerState:
         with one bad prompt of several is a 400 even when it streams (the engine would
         refuse that prompt only once the others' first tokens were on their way)."""
         vocab, limit = self.info.vocab_size, self.info.max_model_len
+        queue = self.info.max_waiting_requests
+        if queue and len(prompts) > queue:  # a 503 "retry later" would never succeed
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts in one request: the engine queues at most {queue} "
+                "(max_waiting_requests); send fewer per request",
+                param,
+            )
         for index, prompt in enumerate(prompts):
             where = param if len(prompts) == 1 else f"{param}[{index}]"
             if len(prompt) >= limit:

@@ -23,7 +23,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from mpengine.client import as_transformers_encodes
+from mpengine.client import as_transformers_encodes, encode_texts, off_the_loop
 from mpengine.server.errors import bad_request
 
 logger = logging.getLogger(__name__)
@@ -49,8 +49,11 @@ class TextTools:
             raise bad_request("the model has no tokenizer.json: send token ids", "prompt")
         return self.tokenizer
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._require_tokenizer().encode(text, add_special_tokens=add_special_tokens).ids
+    async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text; long texts are tokenized off the event loop, so that a
+        multi-megabyte prompt does not stall the other requests."""
+        tokenizer = self._require_tokenizer()
+        return await off_the_loop(texts, lambda: encode_texts(tokenizer, texts, add_special_tokens))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._require_tokenizer().decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import mpengine
 from mpengine import SamplingParams
+from mpengine.protocol import EngineStats
 from mpengine.testing.engine import wait_idle
 from mpengine.testing.tiny import resolve_model
 from tests.e2e.test_server_cli import Served, serving
@@ -547,39 +548,61 @@ def test_too_large_body_is_413(server: Served) -> None:
     assert status == 413 and reply["error"]["code"] == "request_too_large"
 
 
-def test_overloaded_is_503_and_the_engine_recovers(api: openai.OpenAI, ipc) -> None:
-    # 8 running and 8 waiting at most: 40 prompts at once cannot all be queued.
-    with pytest.raises(openai.APIStatusError) as error:
-        openai.OpenAI(base_url=api.base_url, api_key=KEY, max_retries=0).completions.create(
-            model="tiny", prompt=[[1, 2, 3]] * 40, max_tokens=64, extra_body={"ignore_eos": True}
-        )
-    assert error.value.status_code == 503
-    assert error.value.body["code"] == "overloaded"
+def test_overloaded_is_503_and_the_engine_recovers(api: openai.OpenAI, server: Served, ipc) -> None:
+    """8 running and 8 waiting at most: with both full (two long requests of 8 prompts), a
+    third request is refused with 503; a request with more prompts than the queue could
+    ever hold is a 400 (a retry would never succeed)."""
+    wait_idle(ipc, timeout=30)
+    body = {"prompt": [[1, 2, 3]] * 8, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    running = _raw_post(server, body)
+    queued = None
+    try:
+        wait_stats(ipc, lambda s: s.num_running + s.num_preempted == 8)
+        queued = _raw_post(server, body)
+        wait_stats(ipc, lambda s: s.num_waiting == 8)
+        with pytest.raises(openai.APIStatusError) as error:
+            openai.OpenAI(base_url=api.base_url, api_key=KEY, max_retries=0).completions.create(
+                model="tiny", prompt=[[1, 2, 3]], max_tokens=2
+            )
+        assert error.value.status_code == 503
+        assert error.value.body["code"] == "overloaded"
+    finally:
+        running.close()
+        if queued is not None:
+            queued.close()
     stats = wait_idle(ipc, timeout=30)
     assert stats.num_free_blocks == stats.num_blocks
+    status, reply = http(server, "/v1/completions", {"prompt": [[1, 2, 3]] * 9, "max_tokens": 2})
+    assert status == 400 and reply["error"]["param"] == "prompt", reply
+    assert "the engine queues at most 8" in reply["error"]["message"]
     assert api.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
 
 
 # -- disconnects -------------------------------------------------------------------------------
 
 
-def _raw_post(server: Served, body: dict) -> socket.socket:
+def _raw_post(server: Served, body: dict, path: str = "/v1/completions") -> socket.socket:
+    """Send a request on a socket of its own (to close mid-request); returns the socket."""
     data = json.dumps(body).encode()
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S)
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     )
     sock.sendall(head.encode() + data)
     return sock
 
 
-def _wait_running(ipc: mpengine.Client, timeout: float = 30.0) -> None:
+def wait_stats(ipc: mpengine.Client, ready: Callable[[EngineStats], bool], timeout=30.0) -> None:
     deadline = time.monotonic() + timeout
-    while ipc.stats().num_running == 0:
-        assert time.monotonic() < deadline, "the request never ran"
+    while not ready(stats := ipc.stats()):
+        assert time.monotonic() < deadline, f"the engine never got there: {stats}"
         time.sleep(0.01)
+
+
+def _wait_running(ipc: mpengine.Client) -> None:
+    wait_stats(ipc, lambda s: s.num_running > 0)
 
 
 @pytest.mark.parametrize("stream", [True, False])
