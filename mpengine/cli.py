@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import types
@@ -245,8 +246,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def check_address(address: str) -> None:
+    from mpengine.client import connectable
+
     if not address.startswith(("ipc://", "tcp://")):
         raise SystemExit(f"mpengine: {address!r} is not an ipc:// or tcp:// address")
+    path = connectable(address).removeprefix("ipc://")
+    if address.startswith("ipc://") and not os.path.exists(path):
+        raise SystemExit(f"mpengine: no engine at {address}: {path} does not exist")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,16 +39,18 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
 from mpengine.client import AsyncClient, Client
 from mpengine.config import EngineConfig
-from mpengine.errors import EngineStartError
+from mpengine.errors import EngineDeadError, EngineStartError
 from mpengine.protocol import (
     ModelInfo,
     StageFailed,
@@ -63,6 +65,7 @@ from shm import Lockstep, Ring, sweep_stale
 from shm.segment import pid_alive, pid_namespace
 
 logger = logging.getLogger(__name__)
+C = TypeVar("C", Client, AsyncClient)
 
 STOP_GRACE_S = 5.0
 LOCK_NAME = "engine.lock"
@@ -269,6 +272,7 @@ class Engine:
         self._stop_lock = threading.Lock()
         self.stopped = threading.Event()  # set once the stages are gone and cleaned up
         self._death_callbacks: list[Callable[[str], None]] = []
+        self._clients: weakref.WeakSet[Client | AsyncClient] = weakref.WeakSet()
         self._segments: list = []
         self._ipc_dir: str | None = None  # the directory of the ipc sockets ...
         self._lock_fd: int | None = None  # ... and its engine.lock, while this engine holds it
@@ -376,8 +380,10 @@ class Engine:
         name = sentinels[ready[0]]
         code = self.processes[name].exitcode
         reason = f"the {name} stage died (exit code {code})"
-        logger.error("%s: stopping the engine", reason)
         self.dead = reason
+        logger.error("%s: stopping the engine", reason)
+        for client in list(self._clients):
+            client._engine_died(reason)
         for callback in list(self._death_callbacks):
             callback(reason)
         self._stop_all(grace=0.5)
@@ -396,16 +402,21 @@ class Engine:
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.processes.items() if p.pid is not None}
 
-    def client(self, **kwargs):
-        kwargs.setdefault("auth_token", self.config.auth_token)
-        client = Client(self.address, **kwargs)
-        self.on_death(client._engine_died)
-        return client
+    def client(self, **kwargs) -> Client:
+        return self._connect(Client, kwargs)
 
-    def async_client(self, **kwargs):
+    def async_client(self, **kwargs) -> AsyncClient:
+        return self._connect(AsyncClient, kwargs)
+
+    def _connect(self, kind: type[C], kwargs: dict) -> C:
+        """A client told at once if a stage dies (held weakly: clients come and go)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead}")
+        if self._stopping.is_set():
+            raise EngineDeadError("the engine was shut down")
         kwargs.setdefault("auth_token", self.config.auth_token)
-        client = AsyncClient(self.address, **kwargs)
-        self.on_death(client._engine_died)
+        client = kind(self.address, **kwargs)
+        self._clients.add(client)
         return client
 
     def shutdown(self, drain: bool = False, drain_timeout: float = DRAIN_TIMEOUT_S) -> None:

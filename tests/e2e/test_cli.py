@@ -7,6 +7,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 
@@ -105,10 +106,14 @@ def test_refused_requests_and_unreachable_engines_fail_in_one_line(tmp_path, cap
     err = capsys.readouterr().err
     assert "mpengine: the engine refused the request: the prompt is empty" in err
     assert "Traceback" not in err
-    assert main(["stats", f"ipc://{tmp_path}/nobody", "--timeout", "0.5"]) == 1
+    stale = tmp_path / "stale.sock"  # a socket file nobody listens on
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(stale))
+    assert main(["stats", f"ipc://{stale}", "--timeout", "0.5"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("mpengine: no answer from an engine at ipc://") and "Traceback" not in err
     for argv, message in [
+        (["stats", f"ipc://{tmp_path}/nobody"], f"{tmp_path}/nobody does not exist"),
         (["stats", "garbage"], "'garbage' is not an ipc:// or tcp:// address"),
         (["stacks", "garbage"], "'garbage' is not an ipc:// address"),
         (["stacks", f"ipc://{tmp_path}/nobody"], "no running engine found"),

@@ -22,11 +22,12 @@ import time
 from collections.abc import Callable, Iterator
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
 import mpengine
-from mpengine.client import abort_frames, output_address
+from mpengine.client import INLINE_TOKENIZE_CHARS, abort_frames, off_the_loop, output_address
 from mpengine.errors import ClientClosedError, ProtocolError
 from mpengine.protocol import (
     PROTOCOL_VERSION,
@@ -38,6 +39,7 @@ from mpengine.protocol import (
     Hello,
     OutputBatch,
     OutputDelta,
+    PoolingParams,
     RequestError,
     SamplingParams,
     StatsQuery,
@@ -314,6 +316,63 @@ def client(engine):
 def assert_idle(client: mpengine.Client, timeout: float = 30.0) -> None:
     stats = wait_idle(client, timeout=timeout)
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_batches_larger_than_the_queue_are_fed_as_it_drains(start_engine):
+    """A queue of 4 requests or 64 prompt tokens: a 30-prompt batch still completes (fed as
+    earlier ones finish, never ``overloaded``), with the same results as one at a time."""
+    small = start_engine(
+        model="tiny", max_num_seqs=4, max_waiting_requests=4, max_waiting_tokens=64
+    )
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + i, 5, 7, 9 + i % 7] * (1 + i % 5) for i in range(30)]
+    with small.client() as c:
+        outs = c.generate_many(prompts, params, timeout=120)
+        alone = [c.generate(p, params, timeout=60).token_ids for p in prompts[:3]]
+        assert [o.token_ids for o in outs[:3]] == alone
+        assert all(len(o.token_ids) == 3 for o in outs)
+        assert c.stats().rejected == 0 and c.stats().received == 33
+        assert_idle(c)
+
+
+def test_async_embed_many_feeds_a_small_queue_and_checks_counts(start_engine):
+    small = start_engine(model="tiny-bert", max_waiting_requests=4)
+    texts = [f"sentence number {i} about the sea" for i in range(25)]
+
+    async def run() -> list:
+        async with mpengine.AsyncClient(small.address) as c:
+            with pytest.raises(ValueError, match="25 prompts, 2 parameter sets"):
+                await c.embed_many(texts, [PoolingParams(), PoolingParams()])
+            outs = await c.embed_many(texts, timeout=120)
+            alone = await c.embed(texts[7], timeout=60)
+            return outs, alone
+
+    outs, alone = asyncio.run(run())
+    assert len(outs) == 25
+    np.testing.assert_allclose(outs[7].embedding, alone.embedding, atol=1e-5)
+
+
+def test_clients_of_a_stopped_engine_fail_at_once(start_engine):
+    engine = start_engine(model="tiny", max_num_seqs=2, num_gpu_blocks_override=64)
+    for _ in range(5):  # closed and dropped clients are not kept
+        with engine.client() as c:
+            c.generate([5, 6], SamplingParams(max_tokens=1), timeout=60)
+    del c
+    gc.collect()
+    assert len(engine._clients) == 0
+    engine.shutdown()
+    for connect in (engine.client, engine.async_client):
+        with pytest.raises(mpengine.EngineDeadError, match="shut down"):
+            connect()
+
+
+def test_long_texts_are_tokenized_off_the_event_loop() -> None:
+    async def where(texts: list) -> int:
+        return await off_the_loop(texts, threading.get_ident)
+
+    here = threading.get_ident()
+    assert asyncio.run(where(["short", [1, 2, 3]])) == here
+    assert asyncio.run(where(["x" * (INLINE_TOKENIZE_CHARS + 1)])) != here
 
 
 def test_client_dropped_after_engine_death_never_hangs(start_engine):
