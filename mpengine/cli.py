@@ -7,12 +7,16 @@ Engine flags map one to one onto ``EngineConfig`` fields (``--max-num-seqs`` ->
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import types
 import typing
+from collections.abc import Iterator
 
 import msgspec
 
@@ -315,13 +319,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP (``timeout``, ``docker stop``, a closed terminal): unwinds like
+    Ctrl-C, so that the engine is shut down and its segments removed on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _terminate_like_interrupt() -> Iterator[None]:
+    """While inside: SIGTERM and SIGHUP, when their handlers are the default, raise
+    :class:`Terminated` (in the main thread; restored on the way out)."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise Terminated(signum)
+
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                saved[signum] = signal.signal(signum, stop)
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a command; what users cause (a refused request, an engine that cannot start or
     died, an address nobody serves) is one line on stderr and exit status 1, not a
     traceback; Ctrl-C stops the engine and exits 130."""
     args = build_parser().parse_args(argv)
+    one_shot = args.command in ("generate", "embed")  # serve drains on SIGTERM by itself
     try:
-        return args.func(args)
+        with _terminate_like_interrupt() if one_shot else contextlib.nullcontext():
+            return args.func(args)
+    except Terminated as exc:
+        print(f"mpengine: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except InvalidRequestError as exc:
         print(f"mpengine: the engine refused the request: {exc}", file=sys.stderr)
     except (EngineStartError, EngineDeadError, RequestFailedError, ConnectionError) as exc:

@@ -128,9 +128,18 @@ def test_refused_requests_and_unreachable_engines_fail_in_one_line(tmp_path, cap
     assert "unknown model 'no-such-model'" in err and "Traceback" not in err
 
 
-def test_ctrl_c_stops_the_engine_and_exits_130(tmp_path):
-    """SIGINT mid-generation: one line, exit status 130, no stage or segment left."""
-    engine_id = f"ctrlc{os.getpid()}"
+@pytest.mark.parametrize(
+    ("signum", "status", "line"),
+    [
+        (signal.SIGINT, 130, "mpengine: interrupted"),
+        (signal.SIGTERM, 143, "mpengine: stopped by SIGTERM"),
+        (signal.SIGHUP, 129, "mpengine: stopped by SIGHUP"),
+    ],
+)
+def test_ctrl_c_or_sigterm_stops_the_engine_cleanly(signum, status, line):
+    """A signal mid-generation: one line, exit status 128 + signal, no stage or segment
+    left (``timeout`` and ``docker stop`` send SIGTERM, a closed terminal SIGHUP)."""
+    engine_id = f"sig{int(signum)}x{os.getpid()}"
     cmd = [sys.executable, "-m", "mpengine.cli", "generate", "--model", "tiny", "--stream"]
     cmd += ["--prompt", "hi", "--max-tokens", "4000", "--ignore-eos", "--engine-id", engine_id]
     cmd += ["--log-level", "WARNING"]
@@ -144,14 +153,14 @@ def test_ctrl_c_stops_the_engine_and_exits_130(tmp_path):
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 120)
         assert ready, "no token was streamed"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    assert proc.returncode == 130, err.decode()
-    assert err.decode().strip().endswith("mpengine: interrupted") and b"Traceback" not in err
+    assert proc.returncode == status, err.decode()
+    assert err.decode().strip().endswith(line) and b"Traceback" not in err
     assert not [name for name in os.listdir("/dev/shm") if engine_id in name]
 
 
