@@ -305,9 +305,12 @@ class Scheduler:
         if sampling.use_beam_search:
             num_candidates = sampling.beam_candidates(len(self._beam_stop_ids(sampling)))
             if num_candidates > MAX_LOGPROBS:
+                per_beam = num_candidates // sampling.num_samples
                 raise RequestRejected(
-                    f"sampling.beam_width: beam search keeps {num_candidates} continuations "
-                    f"per step here, at most {MAX_LOGPROBS} are supported"
+                    f"sampling.beam_width: {sampling.num_samples} beams (the beam width, n or "
+                    f"best_of) are too many for this model: at most {MAX_LOGPROBS // per_beam} "
+                    f"(each beam weighs {per_beam} continuations per step, at most "
+                    f"{MAX_LOGPROBS} in all)"
                 )
         if sampling.num_samples > self.max_num_seqs:
             field = "best_of" if sampling.best_of else "n"

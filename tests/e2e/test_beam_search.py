@@ -101,6 +101,10 @@ def test_beam_search_is_not_streamed_and_is_checked(engine):
         for bad in ({"stop": ["x"]}, {"logprobs": 1}, {"n": 3}):
             with pytest.raises(ValueError, match="beam"):
                 SamplingParams(max_tokens=4, use_beam_search=True, beam_width=2, **bad).validate()
+        # Too wide for the 20 continuations a step returns: the limit, in beams.
+        wide = SamplingParams(max_tokens=4, use_beam_search=True, beam_width=11)
+        with pytest.raises(InvalidRequestError, match=r"11 beams .* at most 10 "):
+            client.generate([1, 2, 3], wide, timeout=TIMEOUT)
         # Still serving, and the blocks all came back.
         assert client.generate([1, 2, 3], beams, timeout=TIMEOUT).outputs[0].token_ids
         stats = wait_idle(client)
