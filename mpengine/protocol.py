@@ -46,6 +46,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 4096
 MAX_STOP_TOTAL_CHARS = 16384  # the stop matcher's set-up is linear in this (~2 us a char)
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_LOGPROBS = 20
 MAX_N = 64
 INT32_MAX = 2**31 - 1
@@ -122,6 +123,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
     skip_special_tokens: bool = True
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    # Added to the token's logit before penalties and sampling (OpenAI's range); logprobs
+    # stay those of the model.
+    logit_bias: (
+        Annotated[
+            dict[Int32, Annotated[float, Meta(ge=-100.0, le=100.0)]],
+            Meta(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
     # Beam search (transformers' ``generate(num_beams=beam_width, do_sample=False, ...)``):
     # the n best of beam_width beams; deterministic, so the sampling knobs do not apply.
     use_beam_search: bool = False
@@ -141,6 +151,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
         _check_numbers(self, _SAMPLING_INTS, _SAMPLING_FLOATS)
         if not all(_is_int32(t) for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: token ids must be integers within int32")
+        if self.logit_bias is not None:
+            if not all(_is_int32(t) for t in self.logit_bias):
+                raise ValueError("logit_bias: token ids must be integers within int32")
+            values = self.logit_bias.values()
+            if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
+                raise ValueError("logit_bias: biases must be finite numbers")
         # (max_tokens < 1 is msgspec's to name, on validate)
         if 1 <= self.max_tokens < self.min_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) > max_tokens ({self.max_tokens})")
@@ -167,6 +183,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
                 "logprobs": self.logprobs is not None,
                 "prompt_logprobs": self.prompt_logprobs is not None,
                 "penalties": self.has_penalties,
+                "logit_bias": bool(self.logit_bias),
             }
             named = [name for name, used in unsupported.items() if used]
             if named:

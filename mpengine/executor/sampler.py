@@ -1,8 +1,8 @@
 """Token sampling over a batch of logits rows, vectorised across rows.
 
-Order of operations (vLLM's): logprobs are taken from the raw logits; then penalties,
-``min_tokens`` suppression, greedy argmax (temperature 0), temperature, min-p, top-k,
-top-p, and a draw. The draw is an exponential race, ``argmax(probs / q)`` with
+Order of operations (vLLM's): logprobs are taken from the raw logits; then logit biases,
+penalties, ``min_tokens`` suppression, greedy argmax (temperature 0), temperature, min-p,
+top-k, top-p, and a draw. The draw is an exponential race, ``argmax(probs / q)`` with
 ``q ~ Exp(1)`` per token, which picks token ``i`` with probability ``probs[i]``; a seeded
 row takes its noise from a generator seeded with that row's own draw seed, so its token
 depends on nothing else in the batch.
@@ -15,7 +15,7 @@ logprobs) come back with one non-blocking copy into pinned memory and an event t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,7 +31,9 @@ class SamplingRows:
 
     ``penalty_rows`` index the rows with penalties; ``penalty_tokens[k]`` holds that row's
     known tokens padded with -1, ``penalty_is_output[k]`` marks the generated ones.
-    ``banned_rows``/``banned_ids`` are (row, token) pairs to suppress (``min_tokens``).
+    ``banned_rows``/``banned_ids`` are (row, token) pairs to suppress (``min_tokens``);
+    ``bias_rows``/``bias_ids``/``bias_values`` are (row, token, bias) triples to add to the
+    logits (``logit_bias``).
     """
 
     temperature: np.ndarray  # float32
@@ -49,10 +51,14 @@ class SamplingRows:
     penalty_is_output: np.ndarray  # bool [K, L]
     banned_rows: np.ndarray  # int64
     banned_ids: np.ndarray  # int64
+    bias_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    bias_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    bias_values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
 
     def __post_init__(self) -> None:
         assert self.penalty_tokens.shape == self.penalty_is_output.shape
         assert len(self.banned_rows) == len(self.banned_ids)
+        assert len(self.bias_rows) == len(self.bias_ids) == len(self.bias_values)
 
     def __len__(self) -> int:
         return len(self.temperature)
@@ -162,14 +168,18 @@ class Sampler:
         there); packed from ``rows`` and copied when None."""
         logprob_rows = np.flatnonzero(rows.logprobs >= 0).astype(np.int32)
         greedy = rows.temperature == 0.0
-        if greedy.all() and not len(rows.penalty_rows) and not len(rows.banned_rows):
+        changed = len(rows.penalty_rows) or len(rows.banned_rows) or len(rows.bias_rows)
+        if greedy.all() and not changed:
             raw = logits  # the fast path: argmax of the logits as they are (no float copy)
             tokens = logits.argmax(dim=-1)
         else:
             raw = logits.float()
             x = raw
+            if len(rows.bias_rows):
+                index = (_tensor(rows.bias_rows, self.device), _tensor(rows.bias_ids, self.device))
+                x = x.clone().index_put_(index, _tensor(rows.bias_values, self.device), True)
             if len(rows.penalty_rows):
-                x = apply_penalties(x.clone(), rows)
+                x = apply_penalties(x.clone() if x is raw else x, rows)
             if len(rows.banned_rows):
                 x = x.clone() if x is raw else x
                 x[

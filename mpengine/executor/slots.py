@@ -14,6 +14,7 @@ from mpengine.executor.sampler import SamplingRows, draw_seed, pack_params
 from mpengine.protocol import RequestParams, SamplingParams, SeqStart
 
 _NO_STOP_IDS = np.zeros(0, np.int64)
+_NO_BIAS = np.zeros(0, np.float32)
 
 
 class SlotState:
@@ -64,6 +65,8 @@ class SlotState:
         self.pool_dims = np.zeros(num_slots, np.int64)
         # Per slot, Python objects: only read for the few sequences that need them.
         self.suppressed_ids: list[np.ndarray] = [_NO_STOP_IDS] * num_slots
+        self.has_bias = np.zeros(num_slots, bool)
+        self.bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * num_slots  # ids, values
         self.prompt_token_ids: list[np.ndarray | None] = [None] * num_slots
         # np.zeros maps untouched pages lazily: only rows of penalised slots cost memory.
         self.history = np.zeros((num_slots, max_model_len), np.int32)
@@ -85,7 +88,7 @@ class SlotState:
             self.pool_kind[s] = KINDS[pooling.pooling]
             self.pool_normalize[s] = pooling.normalize
             self.pool_dims[s] = pooling.dimensions or 0
-            self.has_penalties[s] = False
+            self.has_penalties[s] = self.has_bias[s] = False
             self.logprobs[s] = self.prompt_logprobs[s] = -1
             self.prompt_token_ids[s] = None
             self.seq_id[s] = seq.seq_id
@@ -111,6 +114,12 @@ class SlotState:
         self.min_tokens[s] = p.min_tokens
         self.logprobs[s] = -1 if p.logprobs is None else p.logprobs
         self.suppressed_ids[s] = _suppressed_ids(p, self.eos_token_ids, self.vocab_size)
+        self.has_bias[s] = bool(p.logit_bias)
+        self.bias[s] = None
+        if p.logit_bias:
+            ids = np.fromiter(p.logit_bias.keys(), np.int64, len(p.logit_bias))
+            values = np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias))
+            self.bias[s] = ids, values
         prompt = request.prompt_token_ids
         wants_prompt = seq.prompt_logprobs and p.prompt_logprobs is not None and prompt is not None
         self.prompt_logprobs[s] = p.prompt_logprobs if wants_prompt else -1
@@ -135,6 +144,7 @@ class SlotState:
         penalty_rows = np.flatnonzero(self.has_penalties[slots])
         tokens, is_output = self._penalty_tokens(slots[penalty_rows], contexts[penalty_rows])
         banned_rows, banned_ids = self._banned(slots, num_output)
+        bias_rows, bias_ids, bias_values = self._biases(slots)
         return SamplingRows(
             temperature=self.temperature[slots],
             top_k=self.top_k[slots],
@@ -151,6 +161,22 @@ class SlotState:
             penalty_is_output=is_output,
             banned_rows=banned_rows,
             banned_ids=banned_ids,
+            bias_rows=bias_rows,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
+        )
+
+    def _biases(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(row, token, bias) triples of the rows with a ``logit_bias``."""
+        rows = np.flatnonzero(self.has_bias[slots])
+        if not len(rows):
+            return _NO_STOP_IDS, _NO_STOP_IDS, _NO_BIAS
+        pairs = [self.bias[slots[r]] for r in rows]
+        counts = [len(ids) for ids, _ in pairs]
+        return (
+            np.repeat(rows, counts).astype(np.int64),
+            np.concatenate([ids for ids, _ in pairs]),
+            np.concatenate([values for _, values in pairs]),
         )
 
     def _penalty_tokens(

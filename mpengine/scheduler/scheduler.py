@@ -296,12 +296,16 @@ class Scheduler:
                 "and at least one must be left to generate"
             )
         self._check_tokens(prompt)
-        for token_id in sampling.stop_token_ids:
-            if token_id >= self.vocab_size:
-                raise RequestRejected(
-                    f"sampling.stop_token_ids: token id {token_id} is outside the vocabulary "
-                    f"(0..{self.vocab_size - 1})"
-                )
+        for name, token_ids in (
+            ("stop_token_ids", sampling.stop_token_ids),
+            ("logit_bias", sampling.logit_bias or ()),
+        ):
+            for token_id in token_ids:
+                if token_id >= self.vocab_size:
+                    raise RequestRejected(
+                        f"sampling.{name}: token id {token_id} is outside the vocabulary "
+                        f"(0..{self.vocab_size - 1})"
+                    )
         if sampling.use_beam_search:
             num_candidates = sampling.beam_candidates(len(self._beam_stop_ids(sampling)))
             if num_candidates > MAX_LOGPROBS:

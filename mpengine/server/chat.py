@@ -58,8 +58,6 @@ async def create_chat_completion(
         raise bad_request("tools are not supported", "tools")
     if body.response_format and body.response_format.get("type") not in (None, "text"):
         raise bad_request("only the text response_format is supported", "response_format")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if not body.messages:
         raise bad_request("messages is empty: give at least one message", "messages")
     if body.top_logprobs is not None and not body.logprobs:

@@ -44,8 +44,6 @@ async def create_completion(
     state.check_admitting()
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if misuse := body.misuse():
         raise bad_request(*misuse)
     if body.stream and body.use_beam_search:

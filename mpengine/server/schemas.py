@@ -89,6 +89,7 @@ class SamplingFields(BaseModel):
             "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
             "best_of": best_of,
+            "logit_bias": _token_keys(self.logit_bias),
         }
         if self.use_beam_search:
             fields.update(
@@ -110,6 +111,16 @@ class SamplingFields(BaseModel):
         if self.top_k is not None:
             fields["top_k"] = 0 if self.top_k == -1 else self.top_k  # vLLM's "no top-k"
         return msgspec.convert(fields, SamplingParams)
+
+
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) keyed by integers."""
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise ValueError("logit_bias: keys must be token ids") from None
 
 
 class CompletionRequest(SamplingFields):

@@ -384,6 +384,40 @@ def test_prompt_logprobs_in_vllm_shape(api: openai.OpenAI, server: Served, ipc) 
     assert "prompt_logprobs" not in reply["choices"][0]
 
 
+def test_logit_bias_steers_and_bans_tokens(api: openai.OpenAI, server: Served, ipc) -> None:
+    plain = greedy(ipc, [5, 6, 7], 4)
+    forced = api.completions.create(
+        model="tiny",
+        prompt=[5, 6, 7],
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"42": 100},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert forced.choices[0].model_extra["token_ids"] == [42] * 4
+    banned = api.completions.create(
+        model="tiny",
+        prompt=[5, 6, 7],
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(plain[0]): -100},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert banned.choices[0].model_extra["token_ids"][0] != plain[0]
+    chat = api.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logit_bias={"42": 100},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert chat.choices[0].model_extra["token_ids"] == [42] * 3
+    for bias in ({"x": 1}, {"9999999": 1}, {"5": 500}):
+        status, reply = http(server, "/v1/completions", {"prompt": "a", "logit_bias": bias})
+        assert status == 400 and reply["error"]["param"] == "logit_bias", (bias, reply)
+
+
 # -- chat --------------------------------------------------------------------------------------
 
 

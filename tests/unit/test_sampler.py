@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -52,6 +53,9 @@ def rows(batch: int, **fields: object) -> SamplingRows:
         penalty_is_output=fields.get("penalty_is_output", np.zeros((0, 0), bool)),
         banned_rows=fields.get("banned_rows", empty),
         banned_ids=fields.get("banned_ids", empty),
+        bias_rows=fields.get("bias_rows", empty),
+        bias_ids=fields.get("bias_ids", empty),
+        bias_values=fields.get("bias_values", np.zeros(0, np.float32)),
     )
 
 
@@ -168,6 +172,64 @@ def test_min_tokens_bans_and_logprobs_stay_raw() -> None:
         lp.top_ids.numpy()[0].tolist() == raw.topk(3).indices.tolist()
     )  # top includes the banned one
     np.testing.assert_allclose(lp.top_logprobs.numpy()[0], raw.topk(3).values.numpy(), atol=1e-6)
+
+
+def test_logit_bias_adds_to_the_logits_before_penalties_and_logprobs_stay_raw() -> None:
+    x = logits(3)
+    top, low = int(x[0].argmax()), int(x[0].argmin())
+    # row 0: +100 makes the least likely token win; row 1: -100 twice on one token adds
+    # up (-inf-like); row 2: untouched
+    r = rows(
+        3,
+        temperature=0.0,
+        logprobs=[1, -1, -1],
+        bias_rows=np.array([0, 1, 1]),
+        bias_ids=np.array([low, top, top]),
+        bias_values=np.array([100.0, -60.0, -60.0], np.float32),
+    )
+    out = Sampler(CPU, 0).sample(x, r)
+    assert out.token_ids[0] == low
+    biased = x[1].clone()
+    biased[top] -= 120
+    assert out.token_ids[1] == int(biased.argmax())
+    assert out.token_ids[2] == int(x[2].argmax())
+    raw = x[0].log_softmax(-1)
+    assert out.logprobs.logprobs.numpy()[0] == pytest.approx(float(raw[low]), abs=1e-6)
+    # sampled rows see the bias too: +100 leaves no other token a chance
+    n = 50
+    hot = rows(
+        n,
+        temperature=1.0,
+        bias_rows=np.arange(n),
+        bias_ids=np.full(n, low),
+        bias_values=np.full(n, 100.0, np.float32),
+    )
+    assert set(Sampler(CPU, 0).sample(x[:1].expand(n, -1), hot).token_ids.tolist()) == {low}
+
+
+def test_slots_carry_each_sequences_logit_bias() -> None:
+    state = SlotState(4, 4, 64, VOCAB, eos_token_ids=[2])
+    biased = SamplingParams(temperature=0.0, logit_bias={5: 3.0, 9: -1.5})
+    state.start(*start_seq(1, 1, 3, biased))
+    state.start(*start_seq(2, 2, 3, SamplingParams(temperature=0.0)))
+    r = state.sampling_rows(np.array([2, 1]), np.array([3, 3]))
+    assert r.bias_rows.tolist() == [1, 1]
+    assert r.bias_ids.tolist() == [5, 9] and r.bias_values.tolist() == [3.0, -1.5]
+    state.start(*start_seq(1, 3, 3, SamplingParams()))  # the slot's next sequence: none
+    assert not len(state.sampling_rows(np.array([1]), np.array([3])).bias_rows)
+
+
+def test_logit_bias_is_checked() -> None:
+    for bad, message in [
+        ({5: 101.0}, "100"),
+        ({-1: 1.0}, ">= 0"),
+        ({5: float("nan")}, "finite"),
+        ({i: 1.0 for i in range(1025)}, "1024"),
+    ]:
+        with pytest.raises((ValueError, msgspec.ValidationError), match=message):
+            SamplingParams(logit_bias=bad).validate()
+    with pytest.raises(ValueError, match="beam search does not support logit_bias"):
+        SamplingParams(use_beam_search=True, beam_width=2, logit_bias={5: 1.0})
 
 
 def test_seeded_rows_ignore_the_batch() -> None:
