@@ -110,6 +110,10 @@ class _View:
         self.created = int(time.time())
         self.prompt = prompt
         self.num_top = num_top
+        # vLLM's ``echo``: an assistant turn the request ends with (continued with
+        # ``continue_final_message``) starts each choice's content.
+        last = message_dicts(body.messages[-1:])[0] if body.echo and body.messages else None
+        self.echoed = last["content"] if last and last["role"] == "assistant" else ""
 
     def _logprobs(self, token_ids: list[int], rows: list | None) -> ChatLogprobs | None:
         if not self.body.logprobs:
@@ -124,7 +128,7 @@ class _View:
         choices = [
             ChatChoice(
                 index,
-                AssistantMessage(sample.text),
+                AssistantMessage(self.echoed + sample.text),
                 self._logprobs(sample.token_ids, sample.logprobs),
                 sample.finish_reason,
                 sample.stop_reason,
@@ -159,7 +163,7 @@ class _View:
                 index = sample.index
                 if index not in started:
                     started.add(index)
-                    role = ChatChunkChoice(index, ChatDelta("assistant", ""), None, None)
+                    role = ChatChunkChoice(index, ChatDelta("assistant", self.echoed), None, None)
                     prompt_ids = self.prompt if ids and index == 0 else None
                     yield self._chunk([role], prompt_token_ids=prompt_ids)
                 choice = ChatChunkChoice(

@@ -449,6 +449,28 @@ def test_chat_follows_the_template(api: openai.OpenAI, server: Served, ipc) -> N
     assert reply.usage.prompt_tokens == len(ids)
 
 
+def test_chat_echo_starts_with_the_continued_assistant_turn(api: openai.OpenAI) -> None:
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "The colour is"},
+    ]
+    common = dict(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = api.chat.completions.create(extra_body=extra, **common)
+    echoed = api.chat.completions.create(extra_body={**extra, "echo": True}, **common)
+    text = plain.choices[0].message.content
+    assert echoed.choices[0].message.content == "The colour is" + text
+    streamed = api.chat.completions.create(
+        stream=True, extra_body={**extra, "echo": True}, **common
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == "The colour is" + text
+    # a request that ends with a user turn has nothing to echo
+    user_only = api.chat.completions.create(
+        model="tiny", messages=messages[:1], max_tokens=2, temperature=0, extra_body={"echo": True}
+    )
+    assert not user_only.choices[0].message.content.startswith("Name a colour")
+
+
 def test_chat_streaming_n(api: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "hi"}]
     whole = api.chat.completions.create(
