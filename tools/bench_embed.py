@@ -21,8 +21,13 @@ window: steps, embeddings per step, and each stage's busy share of the wall time
 executor's forward share beside it). Also each engine's lowest cosine similarity to
 ``hf-batched`` on the warm-up sentences. Prints a table, writes JSON.
 
+An engine row named ``RUNTIME@N`` (``processes@1``) runs its executor with ``N`` torch
+threads instead of the engine's own policy (which times one thread against all of them per
+size of step), so both show side by side.
+
     python tools/bench_embed.py                     # all-MiniLM-L6-v2 when installed
     python tools/bench_embed.py --models tiny-bert tiny-embed --concurrency 1 32
+    python tools/bench_embed.py --runtimes processes processes@1 serial serial@1 hf-batched
     python tools/bench_embed.py --shape qwen3-embedding-0.6b --device cuda
 """
 
@@ -99,12 +104,25 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def row_name(text: str) -> str:
+    """argparse type of a row: a known runtime, an engine one optionally ``@THREADS``."""
+    base, _, threads = text.partition("@")
+    engine = base in CONFIGS and (not threads or (threads.isdigit() and int(threads) > 0))
+    if not engine and text not in HF_ROWS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected one of {', '.join(ROWS)} (an engine row may end in @THREADS)"
+        )
+    return text
+
+
 class EngineRow:
     """One engine runtime: a sync client for stats, an asyncio client for the load."""
 
     def __init__(self, path: str, name: str, args: argparse.Namespace) -> None:
         self.name = name
-        self.engine = mpengine.launch(model=path, **CONFIGS[name], **args.engine)
+        base, _, threads = name.partition("@")
+        engine = {**args.engine, **({"num_threads": int(threads)} if threads else {})}
+        self.engine = mpengine.launch(model=path, **CONFIGS[base], **engine)
         self.client = self.engine.client()
         self.aclient = self.engine.async_client()
         info = self.engine.model
@@ -214,7 +232,7 @@ def run_model(name: str, args: argparse.Namespace) -> tuple[list[dict], dict[str
     agreement: dict[str, float] = {}
     try:
         for runtime in args.runtimes:
-            if runtime in CONFIGS:
+            if runtime.partition("@")[0] in CONFIGS:
                 rows[runtime] = EngineRow(path, runtime, args)
         if not rows:
             raise SystemExit("--runtimes needs at least one engine runtime")
@@ -280,7 +298,7 @@ def run_model(name: str, args: argparse.Namespace) -> tuple[list[dict], dict[str
 
     results = []
     for (runtime, load), done in sorted(
-        runs.items(), key=lambda kv: (ROWS.index(kv[0][0]), kv[0][1])
+        runs.items(), key=lambda kv: (ROWS.index(kv[0][0].partition("@")[0]), kv[0])
     ):
         rates = [r.count / r.seconds for r in done]
         latencies = [x for r in done for x in r.latencies]
@@ -290,7 +308,7 @@ def run_model(name: str, args: argparse.Namespace) -> tuple[list[dict], dict[str
             {
                 "model": name,
                 "runtime": runtime,
-                "concurrency": load if runtime in CONFIGS else None,
+                "concurrency": load if runtime in rows else None,
                 "batch_size": load if runtime in HF_ROWS else None,
                 "num_threads": rows.get(runtime, hf).num_threads,
                 "requests": [r.count for r in done],
@@ -345,7 +363,15 @@ def main() -> None:
         help="instead of --models: a random-weight model with this real model's dimensions "
         "(for a device)",
     )
-    parser.add_argument("--runtimes", nargs="+", default=ROWS, choices=ROWS)
+    parser.add_argument(
+        "--runtimes",
+        nargs="+",
+        default=ROWS,
+        type=row_name,
+        metavar="RUNTIME[@THREADS]",
+        help=f"rows, of {', '.join(ROWS)}; an engine row @N runs its executor with N torch "
+        "threads (processes@1 beside processes: the thread policy against a fixed count)",
+    )
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 128])
     parser.add_argument("--requests", type=int, default=256, help="requests per run at most")
     parser.add_argument("--seconds", type=float, default=15.0, help="time per run at most")
