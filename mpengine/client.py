@@ -1084,6 +1084,8 @@ class _ClientBase:
                 f"{what} cannot be streamed: the best samples are known only when all have ended"
             )
         ids = self.tokenize(prompt) if isinstance(prompt, str) else prompt
+        # Truncated here too, so that the output's prompt_token_ids are what ran.
+        ids = params.truncated(ids, self.info.max_model_len)
         request_id = request_id or f"{self.client_id}-{next(self._ids)}"
         return AddRequest(request_id, token_array(ids), params, arrival_time=time.time())
 

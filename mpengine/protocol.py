@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -39,7 +39,8 @@ from msgspec import Meta
 
 _WIRE = {"array_like": True, "omit_defaults": True, "tag": True, "gc": False}
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
+T = TypeVar("T", list[int], np.ndarray)
 
 # What one request may ask for (checked when a frame is decoded, naming the field).
 MAX_STOP_STRINGS = 64
@@ -125,6 +126,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     # Added to the token's logit before penalties and sampling (OpenAI's range); logprobs
     # stay those of the model.
+    # Keep only the last K prompt tokens (vLLM's left truncation); -1: as many as leave room
+    # for one generated token.
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
     logit_bias: (
         Annotated[
             dict[Int32, Annotated[float, Meta(ge=-100.0, le=100.0)]],
@@ -158,6 +162,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
             if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
                 raise ValueError("logit_bias: biases must be finite numbers")
         # (max_tokens < 1 is msgspec's to name, on validate)
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (all that fit) or >= 1")
         if 1 <= self.max_tokens < self.min_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) > max_tokens ({self.max_tokens})")
         if self.best_of is not None and self.best_of < self.n:
@@ -230,6 +236,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def truncated(self, prompt: T, max_model_len: int) -> T:
+        """``prompt`` (a list or array of token ids) as ``truncate_prompt_tokens`` keeps it:
+        its last K tokens (-1: the last ``max_model_len - 1``)."""
+        limit = self.truncate_prompt_tokens
+        if limit is None:
+            return prompt
+        if limit == -1:
+            limit = max(max_model_len - 1, 1)
+        return prompt[-limit:] if len(prompt) > limit else prompt
+
     @property
     def has_penalties(self) -> bool:
         return (
@@ -269,6 +285,7 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown
 
 _SAMPLING_INTS = (
     "max_tokens",
+    "truncate_prompt_tokens",
     "top_k",
     "seed",
     "n",

@@ -182,6 +182,7 @@ class Scheduler:
             max_tokens = 0
         else:
             assert sampling is not None
+            prompt = sampling.truncated(prompt, self.max_model_len)
             if sampling.use_beam_search and sampling.num_samples == 1:
                 # One beam is greedy search (as transformers' generate(num_beams=1) is).
                 sampling = msgspec.structs.replace(

@@ -64,7 +64,7 @@ async def create_chat_completion(
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if misuse := body.misuse():
         raise bad_request(*misuse)
-    prompt = await chat_prompt(state, body)
+    (prompt,) = state.truncate([await chat_prompt(state, body)], body.truncate_prompt_tokens)
     if len(prompt) >= state.info.max_model_len:
         raise bad_request(
             f"the conversation has {len(prompt)} tokens; max_model_len is "

@@ -58,6 +58,9 @@ async def create_completion(
             "best_of",
         )
     texts, prompts = await _prompts(state, body.prompt)
+    kept = state.truncate(prompts, body.truncate_prompt_tokens)
+    texts = [t if len(a) == len(b) else None for t, a, b in zip(texts, prompts, kept, strict=True)]
+    prompts = kept
     state.check_prompts(prompts, "prompt")
     echo_only = body.echo and body.max_tokens == 0
     if body.max_tokens is None:

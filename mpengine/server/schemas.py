@@ -54,6 +54,7 @@ class SamplingFields(BaseModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    truncate_prompt_tokens: int | None = None
 
     def engine_names(self, best_of: int | None = None) -> dict[str, str]:
         """The request's names of engine fields it sets under another name."""
@@ -90,6 +91,7 @@ class SamplingFields(BaseModel):
             "prompt_logprobs": prompt_logprobs,
             "best_of": best_of,
             "logit_bias": _token_keys(self.logit_bias),
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         if self.use_beam_search:
             fields.update(

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from mpengine.client import AsyncClient
 from mpengine.metrics import ServerMetrics
-from mpengine.protocol import EngineInfo
+from mpengine.protocol import EngineInfo, SamplingParams
 from mpengine.server.errors import APIError
 from mpengine.server.health import EngineMonitor
 from mpengine.server.text import TextTools
@@ -78,6 +78,17 @@ class ServerState:
                     f"{where}: token id {bad} is outside the vocabulary (0..{vocab - 1})",
                     param,
                 )
+
+    def truncate(self, prompts: list[list[int]], limit: int | None) -> list[list[int]]:
+        """vLLM's ``truncate_prompt_tokens``: the last K tokens of each prompt (-1: as many
+        as leave room for one generated token)."""
+        if limit is None:
+            return prompts
+        if limit == 0 or limit < -1:
+            message = "truncate_prompt_tokens must be -1 (all that fit) or >= 1"
+            raise APIError(400, message, "truncate_prompt_tokens")
+        params = SamplingParams(truncate_prompt_tokens=limit)
+        return [params.truncated(prompt, self.info.max_model_len) for prompt in prompts]
 
     def check_context(self, prompts: list[list[int]], max_tokens: int, param: str) -> None:
         """An explicit ``max_tokens`` must fit in the context after every prompt (a 400

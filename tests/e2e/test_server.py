@@ -384,6 +384,40 @@ def test_prompt_logprobs_in_vllm_shape(api: openai.OpenAI, server: Served, ipc) 
     assert "prompt_logprobs" not in reply["choices"][0]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(api: openai.OpenAI, server: Served, ipc):
+    ids = list(range(5, 25))
+    reply = api.completions.create(
+        model="tiny",
+        prompt=ids,
+        max_tokens=3,
+        temperature=0,
+        echo=True,
+        extra_body={"truncate_prompt_tokens": 4, "ignore_eos": True, "return_token_ids": True},
+    )
+    choice = reply.choices[0]
+    assert reply.usage.prompt_tokens == 4
+    assert choice.model_extra["prompt_token_ids"] == ids[-4:]
+    assert choice.model_extra["token_ids"] == greedy(ipc, ids[-4:], 3)
+    library = ipc.generate(ids, SamplingParams(max_tokens=1, truncate_prompt_tokens=4))
+    assert library.prompt_token_ids == ids[-4:]
+    # -1: a prompt past the context keeps what fits with one token to generate
+    status, reply = http(
+        server,
+        "/v1/completions",
+        {"prompt": [5] * 5000, "max_tokens": 1, "truncate_prompt_tokens": -1},
+    )
+    assert status == 200 and reply["usage"]["prompt_tokens"] == 4095, reply
+    chat = api.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "a long conversation " * 10}],
+        max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 6},
+    )
+    assert chat.usage.prompt_tokens == 6
+    status, reply = http(server, "/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 0})
+    assert status == 400 and reply["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_logit_bias_steers_and_bans_tokens(api: openai.OpenAI, server: Served, ipc) -> None:
     plain = greedy(ipc, [5, 6, 7], 4)
     forced = api.completions.create(

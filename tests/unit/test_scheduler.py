@@ -246,6 +246,18 @@ def test_rejects_request_bigger_than_cache_and_duplicate_ids():
         add(sched, "ok", [10])
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens():
+    sched = make_scheduler(max_len=64)
+    long = [10 + i % 80 for i in range(200)]  # longer than max_model_len
+    for request_id, limit, kept in [("k", 5, long[-5:]), ("all", -1, long[-63:])]:
+        params = SamplingParams(max_tokens=1, truncate_prompt_tokens=limit)
+        sched.add_request(AddRequest(request_id, Array.of(long), params), "client")
+        assert sched.requests["client", request_id].prompt_token_ids == kept
+    assert SamplingParams(truncate_prompt_tokens=3).truncated([1, 2], 64) == [1, 2]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_block_manager_refcounts():
     bm = BlockManager(4, 16)
     a = bm.allocate(2)
