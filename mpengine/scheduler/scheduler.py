@@ -872,7 +872,8 @@ class Scheduler:
         swapped = self._swap_out_blocks(seq)
         self.blocks.free(seq.block_ids)
         seq.block_ids = []
-        self.free_slots.append(seq.slot)
+        if seq.slot >= 0:  # a sample not yet started (forked this step) holds none
+            self.free_slots.append(seq.slot)
         seq.slot = -1
         seq.num_registered = 0
         if not swapped:

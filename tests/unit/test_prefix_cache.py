@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mpengine.config import EngineConfig
@@ -193,6 +193,23 @@ def test_prompt_logprobs_requests_compute_their_prompt() -> None:
     num_blocks=st.integers(20, 48),
     lag=st.sampled_from([0, 1]),
     seed=st.integers(0, 1000),
+)
+# A sample preempted before it was ever started once gave its slot (-1) to the free list,
+# and a later sequence ran at slot -1.
+@example(
+    shapes=[
+        (1, 17, 6, 1),
+        (2, 0, 1, 1),
+        (1, 0, 5, 2),
+        (0, 0, 1, 2),
+        (0, 0, 1, 1),
+        (0, 0, 1, 2),
+        (0, 0, 1, 2),
+        (0, 0, 2, 1),
+    ],
+    num_blocks=20,
+    lag=1,
+    seed=0,
 )
 def test_property_shared_prefix_workloads_match_reference(shapes, num_blocks, lag, seed):
     """Random requests drawn from three prefixes (so blocks are reused, shared, evicted and
