@@ -987,6 +987,22 @@ class _Window:
         self.tokens -= self.sizes.popleft()
 
 
+def _priorities(priority: int | Sequence[int], count: int) -> list[int]:
+    """One priority per prompt: the same for all, or a sequence of them."""
+    priorities = [priority] * count if isinstance(priority, int) else list(priority)
+    if len(priorities) != count:
+        raise ValueError(f"{count} prompts and {len(priorities)} priorities: give one per prompt")
+    for value in priorities:
+        _check_priority(value)
+    return priorities
+
+
+def _check_priority(priority: object) -> None:
+    in_range = isinstance(priority, int) and -INT32_MAX - 1 <= priority <= INT32_MAX
+    if not in_range or isinstance(priority, bool):
+        raise InvalidRequestError(f"priority ({priority!r}) must be an integer within int32")
+
+
 def _check_counts(prompts: Sequence, params: Sequence, request_ids: Sequence) -> None:
     if not len(params) == len(request_ids) == len(prompts):
         raise ValueError(
@@ -1072,8 +1088,10 @@ class _ClientBase:
         params: SamplingParams | None,
         request_id: str | None,
         streaming: bool = False,
+        priority: int = 0,
     ) -> AddRequest:
         params = (params or SamplingParams()).validate()
+        _check_priority(priority)
         if streaming and not params.streams:
             what = (
                 "beam search"
@@ -1087,10 +1105,16 @@ class _ClientBase:
         # Truncated here too, so that the output's prompt_token_ids are what ran.
         ids = params.truncated(ids, self.info.max_model_len)
         request_id = request_id or f"{self.client_id}-{next(self._ids)}"
-        return AddRequest(request_id, token_array(ids), params, arrival_time=time.time())
+        return AddRequest(
+            request_id, token_array(ids), params, arrival_time=time.time(), priority=priority
+        )
 
     def _embed_request(
-        self, prompt: Prompt, params: PoolingParams | None, request_id: str | None
+        self,
+        prompt: Prompt,
+        params: PoolingParams | None,
+        request_id: str | None,
+        priority: int = 0,
     ) -> AddRequest:
         params = (params or PoolingParams()).validate()
         if isinstance(prompt, str):
@@ -1101,7 +1125,13 @@ class _ClientBase:
                 limit = self.info.max_model_len
             prompt = self.tokenize(prompt, max_length=limit)
         request_id = request_id or f"{self.client_id}-{next(self._ids)}"
-        return AddRequest(request_id, token_array(prompt), pooling=params, arrival_time=time.time())
+        return AddRequest(
+            request_id,
+            token_array(prompt),
+            pooling=params,
+            arrival_time=time.time(),
+            priority=priority,
+        )
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its output finishes with reason ``abort``."""
@@ -1135,12 +1165,14 @@ class Client(_ClientBase):
         *,
         request_id: str | None = None,
         timeout: float | None = None,
+        priority: int = 0,
     ) -> Iterator[RequestOutput]:
         """Yield each delta as the engine produces it (the last has ``finished``).
         Leaving the loop early, or ``timeout`` seconds passing (``TimeoutError``), aborts
-        the request."""
+        the request. ``priority``: lower runs first, when the engine schedules by priority."""
         deadline = _Deadline(timeout)
-        request = _SyncRequest(self._conn, self._request(prompt, params, request_id, True))
+        add = self._request(prompt, params, request_id, True, priority)
+        request = _SyncRequest(self._conn, add)
         try:
             while not request.finished:
                 yield request.next(deadline)
@@ -1154,10 +1186,13 @@ class Client(_ClientBase):
         *,
         request_id: str | None = None,
         timeout: float | None = None,
+        priority: int = 0,
     ) -> RequestOutput:
         """Run one request to completion; after ``timeout`` seconds abort it and raise
         ``TimeoutError``."""
-        return self.generate_many([prompt], params, timeout=timeout, request_ids=[request_id])[0]
+        return self.generate_many(
+            [prompt], params, timeout=timeout, request_ids=[request_id], priority=priority
+        )[0]
 
     def generate_many(
         self,
@@ -1166,15 +1201,19 @@ class Client(_ClientBase):
         *,
         timeout: float | None = None,
         request_ids: Sequence[str | None] | None = None,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """Submit every prompt at once (so they batch); return the outputs in order. After
-        ``timeout`` seconds (for all of them) abort the unfinished and raise ``TimeoutError``."""
+        ``timeout`` seconds (for all of them) abort the unfinished and raise ``TimeoutError``.
+        ``priority``: one for all, or one per prompt (lower runs first, when the engine
+        schedules by priority)."""
         requests = self._run_many(
-            self._request,
+            lambda prompt, p, rid, prio: self._request(prompt, p, rid, priority=prio),
             prompts,
             _per_prompt(params, SamplingParams, len(prompts)),
             request_ids,
             timeout,
+            _priorities(priority, len(prompts)),
         )
         return [r.assembly.output for r in requests]
 
@@ -1185,10 +1224,13 @@ class Client(_ClientBase):
         *,
         request_id: str | None = None,
         timeout: float | None = None,
+        priority: int = 0,
     ) -> EmbeddingOutput:
         """The embedding of one text (or token ids); ``params`` default to the model's
         pooling. After ``timeout`` seconds abort it and raise ``TimeoutError``."""
-        return self.embed_many([prompt], params, timeout=timeout, request_ids=[request_id])[0]
+        return self.embed_many(
+            [prompt], params, timeout=timeout, request_ids=[request_id], priority=priority
+        )[0]
 
     def embed_many(
         self,
@@ -1197,6 +1239,7 @@ class Client(_ClientBase):
         *,
         timeout: float | None = None,
         request_ids: Sequence[str | None] | None = None,
+        priority: int | Sequence[int] = 0,
     ) -> list[EmbeddingOutput]:
         """Submit every input at once (so they batch); return the embeddings in order. A bad
         input raises ``InvalidRequestError`` (the others are aborted)."""
@@ -1206,27 +1249,30 @@ class Client(_ClientBase):
             _per_prompt(params, PoolingParams, len(prompts)),
             request_ids,
             timeout,
+            _priorities(priority, len(prompts)),
         )
         return [r.assembly.embedding_output() for r in requests]
 
     def _run_many(
         self,
-        make: Callable[[Prompt, Any, str | None], AddRequest],
+        make: Callable[[Prompt, Any, str | None, int], AddRequest],
         prompts: Sequence[Prompt],
         params: list,
         request_ids: Sequence[str | None] | None,
         timeout: float | None,
+        priorities: list[int],
     ) -> list[_SyncRequest]:
-        """Submit ``make(prompt, params, request id)`` for every prompt, wait for all of them
-        to finish (one deadline for all); on any error or the deadline abort the unfinished."""
+        """Submit ``make(prompt, params, request id, priority)`` for every prompt, wait for
+        all of them to finish (one deadline for all); on any error or the deadline abort the
+        unfinished."""
         ids = request_ids or [None] * len(prompts)
         _check_counts(prompts, params, ids)
         deadline = _Deadline(timeout)
         requests: list[_SyncRequest] = []
         window, done = _Window(self.info), 0
         try:
-            for prompt, p, rid in zip(prompts, params, ids, strict=True):
-                request = make(prompt, p, rid)
+            for prompt, p, rid, prio in zip(prompts, params, ids, priorities, strict=True):
+                request = make(prompt, p, rid, prio)
                 while not window.admits(request):  # wait for the oldest in flight
                     requests[done].result(deadline)
                     window.pop_oldest()
@@ -1263,10 +1309,11 @@ class AsyncClient(_ClientBase):
         params: SamplingParams | None,
         request_id: str | None,
         streaming: bool = False,
+        priority: int = 0,
     ) -> _AsyncRequest:
         await self._ensure_tokenizer(prompt)
         request = await off_the_loop(
-            [prompt], lambda: self._request(prompt, params, request_id, streaming)
+            [prompt], lambda: self._request(prompt, params, request_id, streaming, priority)
         )
         return _AsyncRequest(self._conn, request)
 
@@ -1277,11 +1324,12 @@ class AsyncClient(_ClientBase):
         *,
         request_id: str | None = None,
         timeout: float | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield each delta as the engine produces it. Leaving early, or ``timeout`` seconds
         passing (``TimeoutError``), aborts the request."""
         deadline = _Deadline(timeout)
-        request = await self._arequest(prompt, params, request_id, streaming=True)
+        request = await self._arequest(prompt, params, request_id, True, priority)
         try:
             while not request.finished:
                 yield await request.next(deadline)
@@ -1295,11 +1343,12 @@ class AsyncClient(_ClientBase):
         *,
         request_id: str | None = None,
         timeout: float | None = None,
+        priority: int = 0,
     ) -> RequestOutput:
         """Run one request to completion; after ``timeout`` seconds abort it and raise
         ``TimeoutError``."""
         deadline = _Deadline(timeout)
-        request = await self._arequest(prompt, params, request_id)
+        request = await self._arequest(prompt, params, request_id, priority=priority)
         try:
             return await request.result(deadline)
         finally:
@@ -1312,10 +1361,13 @@ class AsyncClient(_ClientBase):
         *,
         request_id: str | None = None,
         timeout: float | None = None,
+        priority: int = 0,
     ) -> EmbeddingOutput:
         """The embedding of one text (or token ids); after ``timeout`` seconds abort it and
         raise ``TimeoutError``."""
-        out = await self.embed_many([prompt], params, timeout=timeout, request_ids=[request_id])
+        out = await self.embed_many(
+            [prompt], params, timeout=timeout, request_ids=[request_id], priority=priority
+        )
         return out[0]
 
     async def embed_many(
@@ -1325,11 +1377,13 @@ class AsyncClient(_ClientBase):
         *,
         timeout: float | None = None,
         request_ids: Sequence[str | None] | None = None,
+        priority: int | Sequence[int] = 0,
     ) -> list[EmbeddingOutput]:
         """Submit every input at once (so they batch); return the embeddings in order."""
         params = _per_prompt(params, PoolingParams, len(prompts))
         ids = request_ids or [None] * len(prompts)
         _check_counts(prompts, params, ids)
+        priorities = _priorities(priority, len(prompts))
         deadline = _Deadline(timeout)
         requests: list[_AsyncRequest] = []
         window, done = _Window(self.info), 0
@@ -1339,8 +1393,8 @@ class AsyncClient(_ClientBase):
             made = await off_the_loop(
                 prompts,
                 lambda: [
-                    self._embed_request(prompt, p, rid)
-                    for prompt, p, rid in zip(prompts, params, ids, strict=True)
+                    self._embed_request(prompt, p, rid, prio)
+                    for prompt, p, rid, prio in zip(prompts, params, ids, priorities, strict=True)
                 ],
             )
             for request in made:

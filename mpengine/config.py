@@ -46,6 +46,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     ring_bytes: Annotated[int, Meta(ge=256 * 1024)] = 8 * MiB
     prefix_caching: bool = True
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     swap_space: Annotated[int, Meta(ge=0)] = 4 * GiB
     pooling: Literal["auto", "last", "mean", "cls", "none"] = "auto"
     max_waiting_requests: Annotated[int, Meta(ge=1)] = 4096
@@ -152,6 +153,8 @@ HELP = {
     "blocks are copied to host memory and back when it resumes; recompute when the swap "
     "space is full, and for sequences with penalties or pooling)",
     "swap_space": "host memory for swapped-out KV blocks, in bytes (pinned on a GPU)",
+    "scheduling_policy": "fcfs (arrival order) or priority (each request's priority, lower "
+    "first, then arrival: it orders admission, resumption and which sequence is preempted)",
     "pooling": "how embeddings pool hidden states: auto (what the model directory's "
     "sentence-transformers files say; a base or encoder model without them pools the last "
     "token or CLS; a causal LM without them does not embed), last, mean, cls, or none (no "

@@ -357,7 +357,7 @@ class AddRequest(msgspec.Struct, **_WIRE):
     sampling: SamplingParams | None = None
     pooling: PoolingParams | None = None
     arrival_time: float = 0.0
-    priority: int = 0
+    priority: Annotated[int, Meta(ge=-INT32_MAX - 1, le=INT32_MAX)] = 0  # lower first
 
     def __post_init__(self) -> None:
         if (self.sampling is None) == (self.pooling is None):

@@ -86,6 +86,7 @@ class Request:
     pooling: PoolingParams | None
     arrival_time: float
     max_tokens: int  # capped so prompt + outputs fit max_model_len
+    priority: int = 0  # lower first (the priority scheduling policy)
     seqs: list[Sequence] = field(default_factory=list)
     announced: bool = False
     params_sent: bool = False  # the executor holds its RequestParams

@@ -16,6 +16,11 @@ One token-budget model, no prefill or decode phases: each running sequence catch
 4. emit the plan: per sequence slot, start, chunk tokens (``-1`` for the in-flight sample the
    executor holds), whether to sample; new slot states; block-table deltas.
 
+With ``scheduling_policy="priority"`` the waiting and running queues are kept in order of
+(priority, arrival), lower numbers first: admission takes the most urgent request, and
+preemption the least urgent, most recent sequence; preempted sequences resume most urgent
+first.
+
 Under async depth 1 the plan for step ``s`` is built before step ``s - 1``'s feedback: a
 decoding sequence is assumed to gain its in-flight token (``num_inflight``), and one that
 in fact finished there wastes one slot of one step; the output processor drops that token.
@@ -97,6 +102,7 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.max_waiting_requests = config.max_waiting_requests
         self.max_waiting_tokens = config.max_waiting_tokens
+        self.by_priority = config.scheduling_policy == "priority"
         self.limits = FrameLimits.derive(config, max_model_len)
         caching = config.prefix_caching and not self.encoder
         self.blocks = BlockManager(num_blocks, config.block_size, caching)
@@ -175,6 +181,11 @@ class Scheduler:
             )
         if (client_id, req.request_id) in self.requests:
             raise RequestRejected(f"request id {req.request_id!r} is already in use")
+        if req.priority and not self.by_priority:
+            raise RequestRejected(
+                f"priority: {req.priority} given, but the engine schedules first come, first "
+                "served (start it with --scheduling-policy priority)"
+            )
         prompt = req.prompt_token_ids.numpy()
         sampling, pooling = req.sampling, req.pooling
         if pooling is not None:
@@ -211,6 +222,7 @@ class Scheduler:
             pooling=pooling,
             arrival_time=req.arrival_time or time.time(),
             max_tokens=max_tokens,
+            priority=req.priority,
         )
         self._next_key += 1
         for index in range(1 if sampling is None else sampling.num_samples):
@@ -221,7 +233,7 @@ class Scheduler:
         for child in request.seqs[1:]:
             child.fork_parent = request.seqs[0]
         self.requests[client_id, req.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(self.waiting, request, request.priority)
         self.num_waiting_requests += 1
         self.num_waiting_tokens += len(prompt)
         logger.debug("queued %s: %d prompt tokens", req.request_id, len(prompt))
@@ -527,6 +539,16 @@ class Scheduler:
             plan.released_requests = Array.of(released, "int64")
         return plan
 
+    def _enqueue(self, queue: list | deque, item: Request | Sequence, priority: int) -> None:
+        """Append ``item``; by priority, after the last item of its priority or a more urgent
+        one (a lower number), so the queue stays ordered by (priority, arrival): admission
+        takes its head, preemption its tail."""
+        index = len(queue)
+        if self.by_priority:
+            while index and _priority(queue[index - 1]) > priority:
+                index -= 1
+        queue.insert(index, item)
+
     def _victim(self, index: int) -> Sequence:
         """The most recently admitted running sequence after ``index`` that holds blocks
         (preempting one without blocks frees nothing), else the one at ``index`` itself."""
@@ -539,11 +561,13 @@ class Scheduler:
         # Resume preempted sequences first (their in-flight tokens must be confirmed: the
         # recompute needs every token id).
         while self.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            # The oldest that can resume: one with a token still in flight waits for it
-            # (a beam, for its whole beam step), without holding up the others.
-            seq = next((s for s in self.preempted if not s.num_inflight), None)
-            if seq is None:
+            # The oldest (of the highest priority) that can resume: one with a token still
+            # in flight waits for it (a beam, for its whole beam step), without holding up
+            # the others.
+            ready = [s for s in self.preempted if not s.num_inflight]
+            if not ready:
                 break
+            seq = min(ready, key=lambda s: s.request.priority) if self.by_priority else ready[0]
             if seq.host_block_ids:
                 num_tokens, need = self._swap_in_place(seq, budget)
             else:
@@ -554,7 +578,7 @@ class Scheduler:
                 break
             self.preempted.remove(seq)
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            self._enqueue(self.running, seq, seq.request.priority)
             self._grow(seq, need, block_deltas)
             self._take(seq, num_tokens, chunks)
             budget -= num_tokens
@@ -584,7 +608,7 @@ class Scheduler:
             self._announce(request)
             for seq in request.seqs:
                 seq.status = Status.RUNNING
-                self.running.append(seq)
+                self._enqueue(self.running, seq, request.priority)
             self._grow(parent, need, block_deltas)
             self._take(parent, num_tokens, chunks)
             budget -= num_tokens
@@ -958,3 +982,7 @@ class Scheduler:
             "step": self.next_step - 1,
             "done": self.done,
         }
+
+
+def _priority(item: Request | Sequence) -> int:
+    return item.priority if isinstance(item, Request) else item.request.priority

@@ -85,7 +85,7 @@ async def create_chat_completion(
     except (msgspec.ValidationError, ValueError) as exc:
         raise invalid_value(exc, {"logprobs": "top_logprobs", **body.engine_names()}) from None
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = Generation(state, [prompt], params, request_id)
+    generation = Generation(state, [prompt], params, request_id, body.priority)
     view = _View(state, body, model, request_id, prompt, num_top)
     if body.stream:
         return await stream_response(request, generation, view.stream(generation))

@@ -76,7 +76,7 @@ async def create_completion(
     except (msgspec.ValidationError, ValueError) as exc:
         raise invalid_value(exc, body.engine_names(body.best_of)) from None
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = Generation(state, prompts, params, request_id)
+    generation = Generation(state, prompts, params, request_id, body.priority)
     view = _View(state, body, model, request_id, texts, prompts, echo_only)
     if body.stream:
         return await stream_response(request, generation, view.stream(generation))

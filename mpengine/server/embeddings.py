@@ -55,7 +55,8 @@ async def create_embedding(
     except (msgspec.ValidationError, ValueError) as exc:
         raise bad_request(str(exc), _param_of(str(exc))) from None
     request_id = f"embd-{uuid.uuid4().hex}"
-    outputs = await until_disconnected(request, _embed(state, prompts, params, request_id))
+    work = _embed(state, prompts, params, request_id, body.priority)
+    outputs = await until_disconnected(request, work)
     data = [
         EmbeddingData(index, encode(out.embedding, body.encoding_format))
         for index, out in enumerate(outputs)
@@ -93,14 +94,20 @@ def _param_of(message: str) -> str | None:
 
 
 async def _embed(
-    state: ServerState, prompts: list[Prompt], params: PoolingParams, request_id: str
+    state: ServerState,
+    prompts: list[Prompt],
+    params: PoolingParams,
+    request_id: str,
+    priority: int = 0,
 ) -> list[EmbeddingOutput]:
     """Every input's embedding; counted in flight (what a drain waits for) and in the
     request metrics. A cancelled call (the HTTP client went away) aborts the requests."""
     request_ids = [f"{request_id}-{index}" for index in range(len(prompts))]
     state.num_inflight += 1
     try:
-        outputs = await state.client.embed_many(prompts, params, request_ids=request_ids)
+        outputs = await state.client.embed_many(
+            prompts, params, request_ids=request_ids, priority=priority
+        )
     except asyncio.CancelledError:  # abandoned: each input counts as an aborted request
         for _ in prompts:
             state.metrics.success("abort")

@@ -74,6 +74,7 @@ class Generation:
         prompts: list[list[int]],
         params: SamplingParams,
         request_id: str,
+        priority: int = 0,
     ) -> None:
         self.state = state
         self.prompts = prompts
@@ -81,7 +82,7 @@ class Generation:
         self.trackers = [state.metrics.tracker(len(p), params.n) for p in prompts]
         read = state.client.stream if params.streams else self._ranked
         self.streams = [
-            read(prompt, params, request_id=f"{request_id}-{index}")
+            read(prompt, params, request_id=f"{request_id}-{index}", priority=priority)
             for index, prompt in enumerate(prompts)
         ]
         self.num_open = len(prompts)
@@ -93,11 +94,12 @@ class Generation:
             self.tasks = [asyncio.create_task(self._pump(i)) for i in range(len(prompts))]
 
     async def _ranked(
-        self, prompt: list[int], params: SamplingParams, request_id: str
+        self, prompt: list[int], params: SamplingParams, request_id: str, priority: int
     ) -> AsyncIterator[RequestOutput]:
         """A ranked request's result as one finished delta per returned sample; the first
         carries the tokens all ``best_of`` samples generated."""
-        out = await self.state.client.generate(prompt, params, request_id=request_id)
+        client = self.state.client
+        out = await client.generate(prompt, params, request_id=request_id, priority=priority)
         for sample in out.outputs:
             total = out.num_generated_tokens if sample.index == 0 else 0
             yield RequestOutput(

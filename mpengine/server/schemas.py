@@ -55,6 +55,7 @@ class SamplingFields(BaseModel):
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     truncate_prompt_tokens: int | None = None
+    priority: int = 0  # vLLM's: lower runs first (--scheduling-policy priority)
 
     def engine_names(self, best_of: int | None = None) -> dict[str, str]:
         """The request's names of engine fields it sets under another name."""
@@ -183,6 +184,7 @@ class EmbeddingRequest(BaseModel):
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None
     pooling: str | None = None
+    priority: int = 0
 
     def pooling_params(self) -> PoolingParams:
         """The engine's parameters; raises ``msgspec.ValidationError`` naming the field or

@@ -352,6 +352,21 @@ def test_async_embed_many_feeds_a_small_queue_and_checks_counts(start_engine):
     np.testing.assert_allclose(outs[7].embedding, alone.embedding, atol=1e-5)
 
 
+def test_priority_scheduling_serves_every_priority(start_engine):
+    urgent_first = start_engine(model="tiny", max_num_seqs=2, scheduling_policy="priority")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [[5 + i, 6, 7] for i in range(6)]
+    with urgent_first.client() as c:
+        outs = c.generate_many(prompts, params, priority=[3, -1, 0, 7, -1, 2], timeout=60)
+        alone = [c.generate(p, params, priority=1, timeout=60).token_ids for p in prompts]
+        assert [o.token_ids for o in outs] == alone
+        with pytest.raises(ValueError, match="6 prompts and 2 priorities"):
+            c.generate_many(prompts, params, priority=[1, 2])
+        with pytest.raises(mpengine.InvalidRequestError, match="priority"):
+            c.generate(prompts[0], params, priority=2**40)
+        assert_idle(c)
+
+
 def test_clients_of_a_stopped_engine_fail_at_once(start_engine):
     engine = start_engine(model="tiny", max_num_seqs=2, num_gpu_blocks_override=64)
     for _ in range(5):  # closed and dropped clients are not kept

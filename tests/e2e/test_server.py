@@ -447,6 +447,9 @@ def test_logit_bias_steers_and_bans_tokens(api: openai.OpenAI, server: Served, i
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     assert chat.choices[0].model_extra["token_ids"] == [42] * 3
+    # this server schedules first come, first served: a priority is refused, naming it
+    status, reply = http(server, "/v1/completions", {"prompt": "a", "priority": 1})
+    assert status == 400 and reply["error"]["param"] == "priority", reply
     for bias in ({"x": 1}, {"9999999": 1}, {"5": 500}):
         status, reply = http(server, "/v1/completions", {"prompt": "a", "logit_bias": bias})
         assert status == 400 and reply["error"]["param"] == "logit_bias", (bias, reply)

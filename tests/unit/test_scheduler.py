@@ -258,6 +258,37 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens():
         SamplingParams(truncate_prompt_tokens=0)
 
 
+def test_priority_policy_orders_admission_and_preemption():
+    config = EngineConfig(
+        block_size=4, max_num_seqs=2, max_num_batched_tokens=64, scheduling_policy="priority"
+    )
+    sched = Scheduler(config, num_blocks=6, vocab_size=VOCAB, max_model_len=512)
+    for request_id, priority in [("low", 5), ("mid", 0), ("urgent", -3), ("mid2", 0)]:
+        params = SamplingParams(max_tokens=13)  # 16 tokens, 4 blocks: two need 8
+        add = AddRequest(request_id, Array.of([10, 11, 12]), params, priority=priority)
+        sched.add_request(add, "client")
+    assert [r.request_id for r in sched.waiting] == ["urgent", "mid", "mid2", "low"]
+    # The two most urgent run first; they grow until the 6 blocks run out, and the less
+    # urgent one gives way.
+    first_running, first_preempted = [], []
+
+    def watch(sched, plan) -> None:
+        if not first_running:
+            first_running.extend(s.request.request_id for s in sched.running)
+        if sched.counters["preemptions"] and not first_preempted:
+            first_preempted.extend(s.request.request_id for s in sched.preempted)
+
+    output = FakeOutput(EOS)
+    for request in sched.requests.values():
+        for seq in request.seqs:
+            output.add(seq.seq_id, request.max_tokens)
+    run(sched, output, 0, on_step=watch)
+    assert first_running == ["urgent", "mid"] and first_preempted == ["mid"]
+    fcfs = make_scheduler()
+    with pytest.raises(RequestRejected, match="scheduling-policy priority"):
+        fcfs.add_request(AddRequest("p", Array.of([10]), SamplingParams(), priority=1), "c")
+
+
 def test_block_manager_refcounts():
     bm = BlockManager(4, 16)
     a = bm.allocate(2)
