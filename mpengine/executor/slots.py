@@ -121,6 +121,10 @@ class SlotState:
             values = np.fromiter(p.logit_bias.values(), np.float32, len(p.logit_bias))
             self.bias[s] = ids, values
         prompt = request.prompt_token_ids
+        if p.repetition_penalty != 1.0 and prompt is not None:
+            # Every prompt token counts, also those this slot never computes (cached or
+            # shared blocks).
+            self.history[s, : len(prompt)] = prompt.numpy()
         wants_prompt = seq.prompt_logprobs and p.prompt_logprobs is not None and prompt is not None
         self.prompt_logprobs[s] = p.prompt_logprobs if wants_prompt else -1
         self.prompt_token_ids[s] = prompt.numpy() if wants_prompt else None

@@ -100,6 +100,17 @@ class Request:
         return self.sampling is not None and self.sampling.prompt_logprobs is not None
 
     @property
+    def penalises_prompt(self) -> bool:
+        """A repetition penalty counts prompt tokens: the executor needs them all, also those
+        a sequence never computes in its own slot (cached or shared blocks)."""
+        return self.sampling is not None and self.sampling.repetition_penalty != 1.0
+
+    @property
+    def sends_prompt(self) -> bool:
+        """Whether the executor gets the prompt's token ids with the request's parameters."""
+        return self.wants_prompt_logprobs or self.penalises_prompt
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

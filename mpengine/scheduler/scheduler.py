@@ -594,7 +594,7 @@ class Scheduler:
                 break
             parent = request.seqs[0]
             params_bytes = FrameLimits.request_params_bytes(
-                request.num_prompt_tokens, request.wants_prompt_logprobs
+                request.num_prompt_tokens, request.sends_prompt
             )
             # Keep room for the siblings' own tail blocks so admitting does not preempt.
             reserve = (len(request.seqs) - 1) * 2
@@ -678,6 +678,10 @@ class Scheduler:
         for prompt logprobs compute their prompt."""
         request = seq.request
         if not self.blocks.caching or request.wants_prompt_logprobs:
+            return 0
+        if request.penalises_prompt and seq.num_outputs:
+            # The executor knows the prompt (to penalise it), not the outputs before a
+            # preemption: a resumed sequence recomputes them, so they are counted again.
             return 0
         if request.pooling is not None and request.pooling.pooling != "last":
             return 0  # mean and CLS pooling read the prompt's first tokens' hidden states
@@ -787,9 +791,7 @@ class Scheduler:
                     sampling=self._executor_sampling(sampling),
                     pooling=request.pooling,
                     prompt_token_ids=(
-                        Array.of(request.prompt_token_ids)
-                        if request.wants_prompt_logprobs
-                        else None
+                        Array.of(request.prompt_token_ids) if request.sends_prompt else None
                     ),
                 )
             )

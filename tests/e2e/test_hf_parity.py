@@ -75,7 +75,7 @@ def shared_prefix_workload(name: str) -> list[tuple[list[int], int]]:
 
 
 @functools.cache
-def hf_reference(name: str, shared: bool = False) -> list[list[int]]:
+def hf_reference(name: str, shared: bool = False, penalty: float = 1.0) -> list[list[int]]:
     model = hf_model(name)
     refs = []
     with torch.no_grad():
@@ -86,6 +86,7 @@ def hf_reference(name: str, shared: bool = False) -> list[list[int]]:
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=max_tokens,
                 do_sample=False,
+                repetition_penalty=penalty,
                 pad_token_id=model.generation_config.pad_token_id or 0,
             )
             refs.append(out[0, len(prompt) :].tolist())
@@ -164,6 +165,28 @@ def test_shared_prefixes_with_prefix_caching_equal_hf_generate(runtime, start_en
         stats = wait_idle(client)
     assert stats.prefix_cache_hits > 0 and stats.num_free_blocks == stats.num_blocks
     check_against_hf(name, requests, outputs, refs, runtime)
+
+
+def test_repetition_penalty_counts_cached_and_shared_prompt_tokens(start_engine):
+    """A repetition penalty counts every prompt token, also those a sequence reads from
+    cached blocks or shares with its sibling samples (n = 2), and outputs recomputed after a
+    preemption: HF's tokens (``generate(repetition_penalty=...)``), for every sample."""
+    name, penalty = "tiny", 1.3
+    requests = shared_prefix_workload(name)
+    refs = hf_reference(name, shared=True, penalty=penalty)
+    engine = start_engine(model=name, **PRESSURE, prefix_caching=True)
+    with engine.client() as client:
+        params = [
+            SamplingParams(max_tokens=m, temperature=0.0, repetition_penalty=penalty, n=1 + i % 2)
+            for i, (_, m) in enumerate(requests)
+        ]
+        outputs = client.generate_many([p for p, _ in requests], params, timeout=600)
+        stats = wait_idle(client)
+    assert stats.prefix_cache_hits > 0 and stats.preemptions > 0
+    assert stats.num_free_blocks == stats.num_blocks
+    for out in outputs:  # greedy samples of one request are one and the same
+        assert all(s.token_ids == out.outputs[0].token_ids for s in out.outputs)
+    check_against_hf(name, requests, outputs, refs, f"repetition_penalty={penalty}")
 
 
 @pytest.mark.parametrize(("swap_blocks", "label"), [(4096, "swap"), (10, "swap-full")])
