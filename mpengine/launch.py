@@ -60,7 +60,7 @@ from mpengine.protocol import (
     encoder,
 )
 from mpengine.runtime.diagnose import ENGINE_FILE, write_engine_file
-from mpengine.runtime.stage import ABORT_SIGNAL, DRAIN_SIGNAL
+from mpengine.runtime.stage import ABORT_SIGNAL, DRAIN_SIGNAL, STOP_SIGNAL
 from shm import Lockstep, Ring, sweep_stale
 from shm.segment import pid_alive, pid_namespace
 
@@ -250,7 +250,9 @@ class StageProcess:
         return self.popen.poll() is None
 
     def terminate(self) -> None:
-        self.popen.terminate()
+        """Ask the stage to stop (``STOP_SIGNAL``: SIGTERM is its launcher's to handle)."""
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.send_signal(STOP_SIGNAL)
 
     def join(self, timeout: float | None = None) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -473,7 +475,7 @@ class Engine:
         procs = list(self.processes.values())
         for proc in procs:
             if proc.is_alive():
-                proc.terminate()  # SIGTERM: the loops see their stop flag within POLL_S
+                proc.terminate()  # the loops see their stop flag within POLL_S
         deadline = time.monotonic() + grace
         for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))

@@ -37,10 +37,11 @@ PR_SET_PDEATHSIG = 1
 DRAIN_SIGNAL = signal.SIGUSR1  # scheduler: refuse new requests, let admitted ones finish
 ABORT_SIGNAL = signal.SIGRTMIN  # scheduler: abort every unfinished request (queued, not merged)
 STACKS_SIGNAL = signal.SIGUSR2  # any stage: dump every thread's Python stack (faulthandler)
+STOP_SIGNAL = signal.SIGRTMIN + 1  # any stage: stop (what the launcher sends)
 
 
 class StopFlag:
-    """Set by SIGTERM; loops check it between waits (every wait is bounded)."""
+    """Set by ``STOP_SIGNAL``; loops check it between waits (every wait is bounded)."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
@@ -97,13 +98,22 @@ def configure_logging(level: str, stage: str) -> None:
     )
 
 
-def install_signals(stage: str, stop: StopFlag, runtime_dir: str | None) -> None:
-    """SIGTERM stops the stage. Ctrl-C reaches the launcher's whole process group: the
-    launcher decides (it may drain first) and stops the stages with SIGTERM. The scheduler
-    obeys the drain signals (``Scheduler.draining``, ``.aborting``: checked at safe points of
-    its loop, never acted on inside the handler). Every stage dumps its threads' stacks into
-    ``RUNTIME_DIR/stacks-STAGE.txt`` on ``STACKS_SIGNAL``, even while stuck in C code."""
-    signal.signal(signal.SIGTERM, stop.set)
+def install_signals(stage: str, stop: StopFlag, runtime_dir: str | None, parent_pid: int) -> None:
+    """The launcher stops the stage with ``STOP_SIGNAL``. Ctrl-C, and SIGTERM from
+    ``timeout``, ``kill -- -PGID`` or a service manager, reach the launcher's whole process
+    group: the launcher decides (``mpengine serve`` drains first) and stops the stages, so
+    while it lives a stage leaves SIGINT and SIGTERM to it (a stage dies with its launcher
+    anyway). The scheduler obeys the drain signals (``Scheduler.draining``, ``.aborting``:
+    checked at safe points of its loop, never acted on inside the handler). Every stage
+    dumps its threads' stacks into ``RUNTIME_DIR/stacks-STAGE.txt`` on ``STACKS_SIGNAL``,
+    even while stuck in C code."""
+
+    def terminate(*_: object) -> None:
+        if os.getppid() != parent_pid:  # the launcher is gone: nobody else will stop us
+            stop.set()
+
+    signal.signal(STOP_SIGNAL, stop.set)
+    signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if stage in ("scheduler", "engine"):
         from mpengine.scheduler import Scheduler
@@ -133,7 +143,7 @@ def run_stage(
     wiring = msgspec.msgpack.decode(wiring_bytes, type=Wiring)
     configure_logging(config.log_level, stage)
     stop = StopFlag()
-    install_signals(stage, stop, runtime_dir)
+    install_signals(stage, stop, runtime_dir, parent_pid)
     control = Control(stage, conn)
     try:
         match stage:

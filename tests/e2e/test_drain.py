@@ -8,6 +8,7 @@ tokens (thousands of steps) cannot, so they end with finish reason ``abort``.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -69,8 +70,12 @@ def _stream(api: openai.OpenAI, name: str, max_tokens: int, started, outcomes: O
         outcomes.record(name, "error", repr(exc))
 
 
-def test_sigterm_drains_the_http_server(tmp_path: Path) -> None:
-    served = start(tmp_path, "--drain-timeout", str(DRAIN_TIMEOUT_S), "--max-num-seqs", "16")
+@pytest.mark.parametrize("group", [False, True], ids=["server", "process-group"])
+def test_sigterm_drains_the_http_server(tmp_path: Path, group: bool) -> None:
+    """SIGTERM to the server, or to its whole process group (``timeout``, ``kill -- -PGID``,
+    a service manager): the stages leave it to the server, which drains."""
+    flags = ("--drain-timeout", str(DRAIN_TIMEOUT_S), "--max-num-seqs", "16")
+    served = start(tmp_path, *flags, new_session=group)
     try:
         api = openai.OpenAI(base_url=served.base_url, api_key="-", max_retries=0, timeout=WAIT_S)
         outcomes, started = Outcomes(), set()
@@ -82,7 +87,10 @@ def test_sigterm_drains_the_http_server(tmp_path: Path) -> None:
         for thread in threads:
             thread.start()
         _wait_until(lambda: set(plan) <= started, WAIT_S, "every stream to start")
-        served.proc.send_signal(signal.SIGTERM)
+        if group:
+            os.killpg(served.proc.pid, signal.SIGTERM)
+        else:
+            served.proc.send_signal(signal.SIGTERM)
 
         # Draining: health says so and new requests are refused, over HTTP and IPC.
         def unhealthy() -> bool:

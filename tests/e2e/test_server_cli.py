@@ -56,8 +56,11 @@ class Served:
             ) from None
 
 
-def start(directory: Path, *flags: str, env: dict[str, str] | None = None) -> Served:
-    """Start ``mpengine serve`` (model ``tiny`` unless ``flags`` name one)."""
+def start(
+    directory: Path, *flags: str, env: dict[str, str] | None = None, new_session: bool = False
+) -> Served:
+    """Start ``mpengine serve`` (model ``tiny`` unless ``flags`` name one); ``new_session``:
+    in a process group of its own (to signal the whole group)."""
     directory.mkdir(parents=True, exist_ok=True)
     address = f"ipc://{directory}/engine"
     model = [] if "--model" in flags else ["--model", "tiny"]
@@ -66,7 +69,11 @@ def start(directory: Path, *flags: str, env: dict[str, str] | None = None) -> Se
     stderr = directory / "serve.stderr"
     with open(stderr, "w") as err:
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=err, env={**os.environ, **(env or {})}
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env={**os.environ, **(env or {})},
+            start_new_session=new_session,
         )
     try:
         for line in _lines(proc, time.monotonic() + START_TIMEOUT_S, stderr):
