@@ -128,7 +128,10 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "give either prompt or messages", "prompt")
         if body.messages is not None:
             chat = ChatCompletionRequest(
-                messages=body.messages, add_generation_prompt=body.add_generation_prompt
+                messages=body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template_kwargs=body.chat_template_kwargs,
             )
             ids = await chat_prompt(state, chat)
         else:

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from mpengine.client import RequestOutput
 from mpengine.server.errors import bad_request, invalid_value
 from mpengine.server.generation import Generation, PromptResult, until_disconnected
-from mpengine.server.logprobs import chat_logprobs
+from mpengine.server.logprobs import chat_logprobs, prompt_logprob_entries
 from mpengine.server.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -64,6 +64,8 @@ async def create_chat_completion(
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if misuse := body.misuse():
         raise bad_request(*misuse)
+    if body.stream and body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs are returned whole: not with stream", "prompt_logprobs")
     (prompt,) = state.truncate([await chat_prompt(state, body)], body.truncate_prompt_tokens)
     if len(prompt) >= state.info.max_model_len:
         raise bad_request(
@@ -81,7 +83,9 @@ async def create_chat_completion(
         state.check_context([prompt], max_tokens, param)
     num_top = body.top_logprobs or 0
     try:
-        params = body.sampling_params(max_tokens, num_top if body.logprobs else None)
+        params = body.sampling_params(
+            max_tokens, num_top if body.logprobs else None, body.prompt_logprobs
+        )
     except (msgspec.ValidationError, ValueError) as exc:
         raise invalid_value(exc, {"logprobs": "top_logprobs", **body.engine_names()}) from None
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -144,6 +148,11 @@ class _View:
             choices,
             self._usage(num_generated),
             prompt_token_ids=self.prompt if ids else None,
+            prompt_logprobs=None
+            if self.body.prompt_logprobs is None or result.prompt_logprobs is None
+            else prompt_logprob_entries(
+                self.state.text, self.prompt, result.prompt_logprobs, self.body.prompt_logprobs
+            ),
         )
 
     def _chunk(self, choices: list[ChatChunkChoice], **extra: object) -> bytes:

@@ -149,6 +149,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's; the conversation's tokens
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -164,6 +165,8 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -287,6 +290,7 @@ class ChatCompletion(msgspec.Struct, tag_field="object", tag="chat.completion", 
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's
 
 
 class ChatDelta(msgspec.Struct, **_OUT):

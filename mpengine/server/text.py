@@ -117,7 +117,7 @@ def message_dicts(messages: list[Any]) -> list[dict[str, Any]]:
                         "messages",
                     )
                 texts.append(str(part.get("text", "")))
-            record["content"] = "".join(texts)
+            record["content"] = "\n".join(texts)  # as vLLM joins text parts
         result.append(record)
     return result
 

@@ -508,6 +508,34 @@ def test_chat_echo_starts_with_the_continued_assistant_turn(api: openai.OpenAI) 
     assert not user_only.choices[0].message.content.startswith("Name a colour")
 
 
+def test_chat_prompt_logprobs_parts_and_tokenize_options(server: Served, ipc) -> None:
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    body = {"messages": messages, "max_tokens": 1, "prompt_logprobs": 1}
+    status, reply = http(server, "/v1/chat/completions", body)
+    assert status == 200, reply
+    ids = tokenize(server, messages=messages)
+    rows = reply["prompt_logprobs"]
+    assert (
+        len(rows) == len(ids)
+        and rows[0] is None
+        and all(str(t) in r for t, r in zip(ids[1:], rows[1:], strict=True))
+    )
+    # text parts are joined with newlines, as vLLM joins them
+    joined = tokenize(server, messages=[{"role": "user", "content": "a\nb"}])
+    assert ids == joined
+    status, reply = http(server, "/v1/chat/completions", {**body, "stream": True})
+    assert status == 400 and reply["error"]["param"] == "prompt_logprobs"
+    # /tokenize renders a continued final message as chat does
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]
+    continued = tokenize(
+        server, messages=turns, continue_final_message=True, add_generation_prompt=False
+    )
+    closed = tokenize(server, messages=turns, add_generation_prompt=False)
+    assert continued != closed and len(continued) < len(closed)
+
+
 def test_chat_streaming_n(api: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "hi"}]
     whole = api.chat.completions.create(

@@ -82,7 +82,7 @@ def test_chat_template_renders_like_transformers(tmp_path: Path) -> None:
     )
     rendered = text.render_chat(messages)
     assert rendered == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi \nthere<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
     assert not text.render_chat(messages, add_generation_prompt=False).endswith("assistant\n")
