@@ -500,13 +500,15 @@ class Logprobs(msgspec.Struct, array_like=True, gc=False):
     """Per position: the chosen token's logprob and the top-N alternatives.
 
     ``token_ids`` and ``logprobs`` are ``[num_positions]``; ``top_ids`` and ``top_logprobs``
-    are ``[num_positions, N]``.
+    are ``[num_positions, N]``; ``ranks`` (``[num_positions]``, or empty where not carried)
+    is each chosen token's rank in the vocabulary, 1 for the most likely.
     """
 
     token_ids: Array
     logprobs: Array
     top_ids: Array
     top_logprobs: Array
+    ranks: Array = EMPTY_IDS
 
 
 class OutputDelta(msgspec.Struct, **_WIRE):

@@ -317,20 +317,23 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) 
 def _logprob_tensors(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 ) -> list[torch.Tensor]:
-    """(token ids, their logprobs, top ids, top logprobs) on the logits' device."""
+    """(token ids, their logprobs, top ids, top logprobs, their ranks) on the logits'
+    device; a token's rank is 1 + the number of tokens more likely than it."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids.long()[:, None])[:, 0]
     top = logprobs.topk(num_top, dim=-1)  # num_top 0: empty [n, 0] results
-    return [token_ids.to(torch.int32), chosen, top.indices.to(torch.int32), top.values]
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1).add_(1).to(torch.int32)
+    return [token_ids.to(torch.int32), chosen, top.indices.to(torch.int32), top.values, ranks]
 
 
 def _logprobs_of(arrays: list[np.ndarray]) -> Logprobs:
-    token_ids, chosen, top_ids, top_values = arrays
+    token_ids, chosen, top_ids, top_values, ranks = arrays
     return Logprobs(
         token_ids=Array.of(token_ids, "int32"),
         logprobs=Array.of(chosen, "float32"),
         top_ids=Array.of(top_ids, "int32"),
         top_logprobs=Array.of(top_values, "float32"),
+        ranks=Array.of(ranks, "int32"),
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpengine.protocol import Array, Logprobs, PromptLogprobs
+from mpengine.protocol import EMPTY_IDS, Array, Logprobs, PromptLogprobs
 
 _ITEMSIZE = {"int32": 4, "int64": 8, "float16": 2, "float32": 4, "bool": 1}
 
@@ -34,7 +34,12 @@ def logprob_row(logprobs: Logprobs, row: int, num_top: int) -> Logprobs:
         _row(logprobs.logprobs, row, 1, 1),
         _row(logprobs.top_ids, row, width, num),
         _row(logprobs.top_logprobs, row, width, num),
+        _row(logprobs.ranks, row, 1, 1) if _has_ranks(logprobs) else EMPTY_IDS,
     )
+
+
+def _has_ranks(logprobs: Logprobs) -> bool:
+    return bool(logprobs.ranks.shape and logprobs.ranks.shape[0])
 
 
 def concat_logprobs(chunks: list[PromptLogprobs], num_top: int) -> Logprobs | None:
@@ -59,8 +64,13 @@ def concat_logprobs(chunks: list[PromptLogprobs], num_top: int) -> Logprobs | No
         stacked = np.concatenate(parts)[rows]
         return Array.of(stacked if stacked.ndim == 1 else stacked[:, :num_top], parts[0].dtype.name)
 
+    with_ranks = all(_has_ranks(c.logprobs) for c in chunks)
     return Logprobs(
-        gather("token_ids"), gather("logprobs"), gather("top_ids"), gather("top_logprobs")
+        gather("token_ids"),
+        gather("logprobs"),
+        gather("top_ids"),
+        gather("top_logprobs"),
+        gather("ranks") if with_ranks else EMPTY_IDS,
     )
 
 
@@ -72,4 +82,7 @@ def join_logprobs(rows: list[Logprobs]) -> Logprobs:
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
         return Array(parts[0].dtype, shape, b"".join(p.data for p in parts))
 
-    return Logprobs(join("token_ids"), join("logprobs"), join("top_ids"), join("top_logprobs"))
+    ranks = join("ranks") if all(_has_ranks(row) for row in rows) else EMPTY_IDS
+    return Logprobs(
+        join("token_ids"), join("logprobs"), join("top_ids"), join("top_logprobs"), ranks
+    )

@@ -151,7 +151,11 @@ class _View:
             prompt_logprobs=None
             if self.body.prompt_logprobs is None or result.prompt_logprobs is None
             else prompt_logprob_entries(
-                self.state.text, self.prompt, result.prompt_logprobs, self.body.prompt_logprobs
+                self.state.text,
+                self.prompt,
+                result.prompt_logprobs,
+                self.body.prompt_logprobs,
+                result.prompt_logprob_ranks,
             ),
         )
 

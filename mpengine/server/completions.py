@@ -159,6 +159,7 @@ class _View:
         token_ids: list[int],
         prompt_index: int | None,
         prompt_rows: list[dict[int, float] | None] | None = None,
+        prompt_ranks: list[int | None] | None = None,
     ) -> CompletionChoice:
         """A choice; ``prompt_index`` names the prompt in the choice's first chunk only."""
         ids = self.body.return_token_ids
@@ -172,7 +173,7 @@ class _View:
             stop_reason,
             token_ids if ids else None,
             prompt if ids else None,
-            prompt_logprob_entries(self.state.text, prompt, prompt_rows, num_top)
+            prompt_logprob_entries(self.state.text, prompt, prompt_rows, num_top, prompt_ranks)
             if num_top is not None and prompt is not None and prompt_rows is not None
             else None,
         )
@@ -204,6 +205,7 @@ class _View:
                         token_ids,
                         prompt_index,
                         result.prompt_logprobs,
+                        result.prompt_logprob_ranks,
                     )
                 )
             num_generated += 0 if self.echo_only else result.num_generated
@@ -223,6 +225,7 @@ class _View:
         async def chunks(first: tuple[int, RequestOutput]) -> AsyncIterator[bytes]:
             offsets: dict[int, int] = {}  # choice index -> characters sent so far
             prompt_logprobs: dict[int, list] = {}
+            prompt_ranks: dict[int, list | None] = {}
             num_generated = 0
             item: tuple[int, RequestOutput] | None = first
             while item is not None:
@@ -231,6 +234,7 @@ class _View:
                 index = prompt_index * self.n + sample.index
                 if delta.prompt_logprobs is not None:
                     prompt_logprobs[prompt_index] = delta.prompt_logprobs
+                    prompt_ranks[prompt_index] = delta.prompt_logprob_ranks
                 text, logprobs, first = sample.text, None, None
                 token_ids, stop_reason = sample.token_ids, sample.stop_reason
                 finish_reason = sample.finish_reason
@@ -259,6 +263,7 @@ class _View:
                     token_ids,
                     first,
                     prompt_logprobs.get(prompt_index),
+                    prompt_ranks.get(prompt_index),
                 )
                 yield event(Completion(self.id, self.created, self.model, [choice]))
                 num_generated += len(token_ids)

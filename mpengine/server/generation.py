@@ -54,6 +54,7 @@ class PromptResult:
     prompt_token_ids: list[int]
     samples: list[Sample]
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
     num_generated: int = 0  # by every sample, returned or not (best_of > n): the usage
 
 
@@ -110,6 +111,7 @@ class Generation:
                 out.prompt_logprobs,
                 out.metrics,
                 total,
+                out.prompt_logprob_ranks,
             )
 
     async def _read(self, index: int) -> RequestOutput | None:
@@ -168,6 +170,7 @@ class Generation:
                     result.num_generated += len(delta.outputs[0].token_ids)
                 if delta.prompt_logprobs is not None:
                     result.prompt_logprobs = delta.prompt_logprobs
+                    result.prompt_logprob_ranks = delta.prompt_logprob_ranks
         finally:
             await self.close()
         return results

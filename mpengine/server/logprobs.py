@@ -47,13 +47,15 @@ def prompt_logprob_entries(
     token_ids: list[int],
     rows: list[dict[int, float] | None],
     num_top: int,
+    ranks: list[int | None] | None = None,
 ) -> list[dict[int, PromptLogprob] | None]:
     """vLLM's ``prompt_logprobs`` of a completion choice: per prompt token, it and the top
     ``num_top`` with their logprob, rank (1 = most likely) and text. A row holds at least
-    the top ``num_top`` of the vocabulary, so their ranks are exact; the prompt token, when
-    it is not among them, gets a null rank."""
+    the top ``num_top`` of the vocabulary, so their ranks are exact; the prompt token's
+    comes from the engine (``ranks``), else it is null when outside the top."""
     out: list[dict[int, PromptLogprob] | None] = []
-    for token_id, row in zip(token_ids, rows, strict=True):
+    ranks = ranks or [None] * len(token_ids)
+    for token_id, row, known in zip(token_ids, rows, ranks, strict=True):
         if row is None:
             out.append(None)
             continue
@@ -64,8 +66,9 @@ def prompt_logprob_entries(
             entries[t] = PromptLogprob(v, 1 + sum(1 for w in values if w > v), text.token_text(t))
         if token_id not in entries:
             value = row[token_id]
-            tied = num_top > 0 and value >= values[num_top - 1]
-            rank = 1 + sum(1 for w in values if w > value) if tied else None
+            rank = known
+            if rank is None and num_top > 0 and value >= values[num_top - 1]:  # a tie
+                rank = 1 + sum(1 for w in values if w > value)
             entries[token_id] = PromptLogprob(value, rank, text.token_text(token_id))
         out.append(entries)
     return out

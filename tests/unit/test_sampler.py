@@ -16,6 +16,7 @@ from mpengine.executor.sampler import (
     apply_top_k,
     apply_top_k_top_p,
     draw_seed,
+    token_logprobs,
 )
 from mpengine.executor.slots import SlotState
 from mpengine.protocol import SamplingParams
@@ -230,6 +231,15 @@ def test_logit_bias_is_checked() -> None:
             SamplingParams(logit_bias=bad).validate()
     with pytest.raises(ValueError, match="beam search does not support logit_bias"):
         SamplingParams(use_beam_search=True, beam_width=2, logit_bias={5: 1.0})
+
+
+def test_logprobs_carry_each_chosen_tokens_rank() -> None:
+    x = logits(3)
+    chosen = torch.tensor([int(x[0].argmax()), int(x[1].argsort()[5]), int(x[2].argmin())])
+    lp = token_logprobs(x, chosen, 2)
+    order = x.argsort(dim=-1, descending=True)
+    want = [int((order[i] == chosen[i]).nonzero()) + 1 for i in range(3)]
+    assert lp.ranks.numpy().tolist() == want == [1, VOCAB - 5, VOCAB]
 
 
 def test_seeded_rows_ignore_the_batch() -> None:
