@@ -996,12 +996,11 @@ class _Window:
 
 
 def _priorities(priority: int | Sequence[int], count: int) -> list[int]:
-    """One priority per prompt: the same for all, or a sequence of them."""
+    """One priority per prompt: the same for all, or a sequence of them (each is checked
+    where its request is made)."""
     priorities = [priority] * count if isinstance(priority, int) else list(priority)
     if len(priorities) != count:
         raise ValueError(f"{count} prompts and {len(priorities)} priorities: give one per prompt")
-    for value in priorities:
-        _check_priority(value)
     return priorities
 
 
@@ -1125,6 +1124,7 @@ class _ClientBase:
         priority: int = 0,
     ) -> AddRequest:
         params = (params or PoolingParams()).validate()
+        _check_priority(priority)
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise InvalidRequestError("the input is empty (or only whitespace)")

@@ -124,11 +124,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
     skip_special_tokens: bool = True
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    # Added to the token's logit before penalties and sampling (OpenAI's range); logprobs
-    # stay those of the model.
     # Keep only the last K prompt tokens (vLLM's left truncation); -1: as many as leave room
     # for one generated token.
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
+    # Added to the token's logit before penalties and sampling (OpenAI's range); logprobs
+    # stay those of the model.
     logit_bias: (
         Annotated[
             dict[Int32, Annotated[float, Meta(ge=-100.0, le=100.0)]],
@@ -500,8 +500,8 @@ class Logprobs(msgspec.Struct, array_like=True, gc=False):
     """Per position: the chosen token's logprob and the top-N alternatives.
 
     ``token_ids`` and ``logprobs`` are ``[num_positions]``; ``top_ids`` and ``top_logprobs``
-    are ``[num_positions, N]``; ``ranks`` (``[num_positions]``, or empty where not carried)
-    is each chosen token's rank in the vocabulary, 1 for the most likely.
+    are ``[num_positions, N]``; ``ranks`` (``[num_positions]``; prompt logprobs only, empty
+    elsewhere) is each chosen token's rank in the vocabulary, 1 for the most likely.
     """
 
     token_ids: Array

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mpengine.protocol import Array, Logprobs
+from mpengine.protocol import EMPTY_IDS, Array, Logprobs
 
 _MASK64 = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 
@@ -311,29 +311,33 @@ def apply_top_k_top_p(
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:
     """Log-softmax of ``logits`` rows: the logprob of ``token_ids`` and the top ``num_top``."""
-    return _logprobs_of([t.cpu().numpy() for t in _logprob_tensors(logits, token_ids, num_top)])
+    tensors = _logprob_tensors(logits, token_ids, num_top, ranks=True)
+    return _logprobs_of([t.cpu().numpy() for t in tensors])
 
 
 def _logprob_tensors(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, ranks: bool = False
 ) -> list[torch.Tensor]:
-    """(token ids, their logprobs, top ids, top logprobs, their ranks) on the logits'
-    device; a token's rank is 1 + the number of tokens more likely than it."""
+    """(token ids, their logprobs, top ids, top logprobs[, their ranks]) on the logits'
+    device; a token's rank is 1 + the number of tokens more likely than it (asked for by
+    prompt logprobs only: it reads the whole row once more)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, token_ids.long()[:, None])[:, 0]
     top = logprobs.topk(num_top, dim=-1)  # num_top 0: empty [n, 0] results
-    ranks = (logprobs > chosen[:, None]).sum(dim=-1).add_(1).to(torch.int32)
-    return [token_ids.to(torch.int32), chosen, top.indices.to(torch.int32), top.values, ranks]
+    tensors = [token_ids.to(torch.int32), chosen, top.indices.to(torch.int32), top.values]
+    if ranks:
+        tensors.append((logprobs > chosen[:, None]).sum(dim=-1).add_(1).to(torch.int32))
+    return tensors
 
 
 def _logprobs_of(arrays: list[np.ndarray]) -> Logprobs:
-    token_ids, chosen, top_ids, top_values, ranks = arrays
+    token_ids, chosen, top_ids, top_values, *ranks = arrays
     return Logprobs(
         token_ids=Array.of(token_ids, "int32"),
         logprobs=Array.of(chosen, "float32"),
         top_ids=Array.of(top_ids, "int32"),
         top_logprobs=Array.of(top_values, "float32"),
-        ranks=Array.of(ranks, "int32"),
+        ranks=Array.of(ranks[0], "int32") if ranks else EMPTY_IDS,
     )
 
 

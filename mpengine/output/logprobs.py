@@ -34,12 +34,7 @@ def logprob_row(logprobs: Logprobs, row: int, num_top: int) -> Logprobs:
         _row(logprobs.logprobs, row, 1, 1),
         _row(logprobs.top_ids, row, width, num),
         _row(logprobs.top_logprobs, row, width, num),
-        _row(logprobs.ranks, row, 1, 1) if _has_ranks(logprobs) else EMPTY_IDS,
     )
-
-
-def _has_ranks(logprobs: Logprobs) -> bool:
-    return bool(logprobs.ranks.shape and logprobs.ranks.shape[0])
 
 
 def concat_logprobs(chunks: list[PromptLogprobs], num_top: int) -> Logprobs | None:
@@ -64,7 +59,7 @@ def concat_logprobs(chunks: list[PromptLogprobs], num_top: int) -> Logprobs | No
         stacked = np.concatenate(parts)[rows]
         return Array.of(stacked if stacked.ndim == 1 else stacked[:, :num_top], parts[0].dtype.name)
 
-    with_ranks = all(_has_ranks(c.logprobs) for c in chunks)
+    with_ranks = all(c.logprobs.ranks.shape[0] for c in chunks)
     return Logprobs(
         gather("token_ids"),
         gather("logprobs"),
@@ -82,7 +77,4 @@ def join_logprobs(rows: list[Logprobs]) -> Logprobs:
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
         return Array(parts[0].dtype, shape, b"".join(p.data for p in parts))
 
-    ranks = join("ranks") if all(_has_ranks(row) for row in rows) else EMPTY_IDS
-    return Logprobs(
-        join("token_ids"), join("logprobs"), join("top_ids"), join("top_logprobs"), ranks
-    )
+    return Logprobs(join("token_ids"), join("logprobs"), join("top_ids"), join("top_logprobs"))

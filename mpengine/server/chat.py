@@ -60,12 +60,8 @@ async def create_chat_completion(
         raise bad_request("only the text response_format is supported", "response_format")
     if not body.messages:
         raise bad_request("messages is empty: give at least one message", "messages")
-    if body.top_logprobs is not None and not body.logprobs:
-        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if misuse := body.misuse():
         raise bad_request(*misuse)
-    if body.stream and body.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs are returned whole: not with stream", "prompt_logprobs")
     (prompt,) = state.truncate([await chat_prompt(state, body)], body.truncate_prompt_tokens)
     if len(prompt) >= state.info.max_model_len:
         raise bad_request(

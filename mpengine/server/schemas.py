@@ -158,6 +158,13 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
+    def misuse(self) -> tuple[str, str] | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs needs logprobs: true", "top_logprobs"
+        if self.stream and self.prompt_logprobs is not None:
+            return "prompt_logprobs are returned whole: not with stream", "prompt_logprobs"
+        return super().misuse()
+
 
 class TokenizeRequest(BaseModel):
     model: str | None = None
