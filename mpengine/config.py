@@ -39,6 +39,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: Annotated[int, Meta(ge=1)] | None = None
     enforce_eager: bool = False
+    attention_backend: Literal["auto", "torch", "native", "triton"] = "auto"
     seed: int = 0
     engine_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_]{0,16}$")] = ""
     address: str | None = None
@@ -139,6 +140,9 @@ HELP = {
     "processes and threads runtimes on machines with more than two)",
     "enforce_eager": "never replay CUDA graphs: run every step eagerly (CUDA only; decode "
     "steps are captured as graphs at start-up otherwise)",
+    "attention_backend": "paged attention kernels: auto (triton on CUDA; on the CPU native, "
+    "C kernels built on first use with the system's C compiler, or torch without one), torch "
+    "(gathers and SDPA, the reference), native (CPU only), triton",
     "seed": "seed of the sampler for requests without their own seed",
     "engine_id": "names the engine's shm segments and runtime directory (default: random)",
     "address": "ipc:///DIR for DIR/requests.sock and DIR/outputs.sock (default: a private "

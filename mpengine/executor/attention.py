@@ -15,8 +15,10 @@ boundaries are enforced here, from an :class:`AttentionMetadata` built once per 
 Each layer makes one attention call that reads and writes the cache (no loop over
 sequences or lengths). Backends, chosen by device type (:func:`default_backend`):
 
-* ``torch`` (CPU, and the reference): ``index_copy_`` + attention over gathered blocks, decodes
-  and prefill chunks in one call each (see ``torch_attention``);
+* ``torch`` (the reference; the CPU's fallback): ``index_copy_`` + attention over gathered
+  blocks, decodes and prefill chunks in one call each (see ``torch_attention``);
+* ``native`` (the CPU's default where a C compiler is found): the torch backend with its
+  cache writes and decodes in C, reading the blocks in place (see ``native_attention``);
 * ``triton`` (CUDA): one kernel launch per layer that reads the cache in place through the
   block table, safe to capture in a CUDA graph (see ``triton_attention``).
 """
@@ -29,19 +31,22 @@ from typing import Literal
 import torch
 from transformers import AttentionInterface
 
-from mpengine.executor import torch_attention
+from mpengine.executor import native_attention, torch_attention
 from mpengine.executor.torch_attention import StepLayout, TorchPlan, Workspace
 
 ATTENTION_NAME = "mpengine_paged"
 METADATA_KWARG = "mpengine_attention"
 
-Backend = Literal["torch", "triton"]
-BACKENDS: tuple[Backend, ...] = ("torch", "triton")
+Backend = Literal["torch", "native", "triton"]
+BACKENDS: tuple[Backend, ...] = ("torch", "native", "triton")
 
 
 def default_backend(device: torch.device) -> Backend:
-    """Triton on a GPU, torch elsewhere (the Triton kernels only run interpreted on a CPU)."""
-    return "triton" if device.type == "cuda" else "torch"
+    """Triton on a GPU; on the CPU native where its kernels build, else torch (the Triton
+    kernels only run interpreted on a CPU)."""
+    if device.type == "cuda":
+        return "triton"
+    return "native" if native_attention.kernels() is not None else "torch"
 
 
 @dataclass(slots=True)
@@ -89,8 +94,13 @@ def build_metadata(
         num_tokens=num_tokens,
         max_context=int(contexts.max()) if len(contexts) else 0,
         decode_only=num_tokens == len(contexts),
-        torch_plan=torch_attention.plan_step(layout, kv_caches[0], workspace)
-        if backend == "torch" and num_tokens
+        torch_plan=torch_attention.plan_step(
+            layout,
+            kv_caches[0],
+            workspace,
+            native_attention.kernels() if backend == "native" else None,
+        )
+        if backend != "triton" and num_tokens
         else None,
     )
 

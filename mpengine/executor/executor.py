@@ -23,6 +23,7 @@ import torch
 
 from mpengine.config import EngineConfig
 from mpengine.envs import InjectedFault, fault_seqs, fault_steps
+from mpengine.executor import native_attention
 from mpengine.executor.attention import BACKENDS, METADATA_KWARG, Backend, default_backend
 from mpengine.executor.encoder import Encoder
 from mpengine.executor.input_batch import InputBatch, StepInputs
@@ -66,6 +67,8 @@ class Executor:
     """
 
     def __init__(self, config: EngineConfig, attention_backend: Backend | None = None) -> None:
+        if attention_backend is None and config.attention_backend != "auto":
+            attention_backend = config.attention_backend
         if attention_backend is not None and attention_backend not in BACKENDS:
             raise ValueError(f"attention backend {attention_backend!r} is not one of {BACKENDS}")
         torch.set_num_threads(config.max_threads)
@@ -75,6 +78,13 @@ class Executor:
         self.model = self.loaded.model
         self.device = self.loaded.device
         self.backend: Backend = attention_backend or default_backend(self.device)
+        if self.backend == "native" and (
+            self.device.type != "cpu" or native_attention.kernels() is None
+        ):
+            raise ValueError(
+                "native attention needs the CPU and its kernels built with a C compiler "
+                f"(device {self.device}; see the log for the build)"
+            )
         spec = KVCacheSpec(
             num_layers=self.loaded.num_layers,
             num_kv_heads=self.loaded.num_kv_heads,

@@ -39,6 +39,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mpengine.executor import native_attention
+from mpengine.executor.native_attention import Kernels
+
 # Padded decode attention reads N * longest keys; the chunked one reads each sequence's
 # own blocks at ~1.2-1.4x the cost per key (measured on the CPU; tools/bench_executor.py's
 # "uneven" column is the case it is for).
@@ -69,6 +72,15 @@ class DecodePlan:
     mask: torch.Tensor
     num_seqs: int
     seq_of_chunk: torch.Tensor | None  # [K] chunked only: the decode each chunk belongs to
+
+
+@dataclass(slots=True)
+class NativeDecodePlan:
+    """Decodes for the native kernel, which reads their blocks in place."""
+
+    rows: torch.Tensor | None  # [D] int64 batch rows of the decodes; None: rows 0 .. D-1
+    block_table: torch.Tensor  # [D, W] int32, contiguous
+    contexts: torch.Tensor  # [D] int64, keys of each decode
 
 
 @dataclass(slots=True)
@@ -104,26 +116,37 @@ class Workspace:
 
 @dataclass(slots=True)
 class TorchPlan:
-    decode: DecodePlan | None
+    decode: DecodePlan | NativeDecodePlan | None
     prefill: PrefillPlan | None
     workspace: Workspace | None = None  # None: every gather allocates
+    native: Kernels | None = None  # the native backend: cache writes and decodes in C
 
 
 def plan_step(
-    layout: StepLayout, cache: torch.Tensor, workspace: Workspace | None = None
+    layout: StepLayout,
+    cache: torch.Tensor,
+    workspace: Workspace | None = None,
+    native: Kernels | None = None,
 ) -> TorchPlan:
     """Index tensors and masks of both kinds of queries, built once per step; ``cache`` is
-    any layer's cache (they share shape, dtype and device)."""
+    any layer's cache (they share shape, dtype and device). With ``native`` kernels (the
+    native backend, for a cache they support), decodes and cache writes run in C."""
     is_decode = layout.num_tokens == 1
     first_token = np.cumsum(layout.num_tokens) - layout.num_tokens
-    decode = prefill = None
+    decode: DecodePlan | NativeDecodePlan | None = None
+    prefill = None
+    if native is not None and not native.supports(cache):
+        native = None
     if is_decode.any():
         members = np.flatnonzero(is_decode)
-        decode = _plan_decodes(layout, members, first_token, cache)
+        if native is not None:
+            decode = _plan_native_decodes(layout, members, first_token)
+        else:
+            decode = _plan_decodes(layout, members, first_token, cache)
     if not is_decode.all():
         members = np.flatnonzero(~is_decode)
         prefill = _plan_prefill(layout, members, first_token, cache)
-    return TorchPlan(decode=decode, prefill=prefill, workspace=workspace)
+    return TorchPlan(decode=decode, prefill=prefill, workspace=workspace, native=native)
 
 
 def _cache_rows(blocks: np.ndarray, cache: torch.Tensor) -> np.ndarray:
@@ -164,6 +187,21 @@ def _plan_decodes(
         mask=_to(bias[None, :, None, :], device, cache.dtype),
         num_seqs=len(members),
         seq_of_chunk=None,
+    )
+
+
+def _plan_native_decodes(
+    layout: StepLayout, members: np.ndarray, first_token: np.ndarray
+) -> NativeDecodePlan:
+    rows = first_token[members]
+    in_order = bool((rows == np.arange(len(rows))).all())
+    contexts = layout.starts[members] + 1
+    width = int(-(-contexts.max() // layout.block_size))
+    table = np.ascontiguousarray(layout.block_table[members, :width], dtype=np.int32)
+    return NativeDecodePlan(
+        rows=None if in_order else torch.from_numpy(rows.astype(np.int64)),
+        block_table=torch.from_numpy(table),
+        contexts=torch.from_numpy(contexts.astype(np.int64)),
     )
 
 
@@ -242,21 +280,47 @@ def attend(
     (transformers' layout); returns ``[T, heads, dim]``."""
     num_kv_heads, head_dim = cache.shape[1], cache.shape[-1]
     # 1. this step's keys and values -> their cache rows (every head at the same row)
-    cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key[0])
-    cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value[0])
+    if plan.native is not None:
+        native_attention.store_kv(plan.native, cache, slot_mapping, key[0], value[0])
+    else:
+        cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key[0])
+        cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value[0])
 
     # 2. decodes and prefill chunks, each kind in one call
     queries = query[0].transpose(0, 1)  # [T, heads, head_dim]
+    out: torch.Tensor | None = None
     parts: list[tuple[torch.Tensor | None, torch.Tensor]] = []
-    if plan.decode is not None:
-        out = _decode(plan.decode, queries, cache, scaling, plan.workspace)
-        parts.append((plan.decode.rows, out))
+    if isinstance(plan.decode, NativeDecodePlan):
+        # Written in place: each decode's row of the step's output.
+        out = queries.new_empty(queries.shape[0], queries.shape[1], value.shape[-1])
+        decode = plan.decode
+        scale = head_dim**-0.5 if scaling is None else scaling
+        assert plan.native is not None
+        if queries.shape[1] // num_kv_heads > plan.native.max_group:
+            raise NotImplementedError(
+                f"{queries.shape[1] // num_kv_heads} query heads per KV head: the native "
+                f"kernel takes at most {plan.native.max_group} (use the torch backend)"
+            )
+        native_attention.decode(
+            plan.native,
+            out,
+            queries,
+            cache,
+            decode.rows,
+            decode.block_table,
+            decode.contexts,
+            scale,
+        )
+    elif plan.decode is not None:
+        part = _decode(plan.decode, queries, cache, scaling, plan.workspace)
+        parts.append((plan.decode.rows, part))
     if plan.prefill is not None:
-        out = _prefill(plan.prefill, queries, cache, scaling, key, value, plan.workspace)
-        parts.append((plan.prefill.out_token_idx, out))
-    if len(parts) == 1 and parts[0][0] is None:
-        return parts[0][1]
-    out = queries.new_empty(queries.shape[0], queries.shape[1], value.shape[-1])
+        part = _prefill(plan.prefill, queries, cache, scaling, key, value, plan.workspace)
+        parts.append((plan.prefill.out_token_idx, part))
+    if out is None:
+        if len(parts) == 1 and parts[0][0] is None:
+            return parts[0][1]
+        out = queries.new_empty(queries.shape[0], queries.shape[1], value.shape[-1])
     for rows, part in parts:
         if rows is None:
             out[: len(part)] = part

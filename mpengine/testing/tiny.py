@@ -44,6 +44,7 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
+from mpengine.envs import cache_dir
 from mpengine.testing import tiny_tokenizer
 from mpengine.testing.tiny_tokenizer import (
     BERT_TOKENIZER,
@@ -326,8 +327,7 @@ def _init_weights(model: PreTrainedModel) -> None:
 def cache_root() -> Path:
     """Where resolve_model keeps built models: $MPENGINE_CACHE_DIR/models, or
     ~/.cache/mpengine/models when the variable is unset."""
-    root = os.environ.get("MPENGINE_CACHE_DIR") or Path.home() / ".cache" / "mpengine"
-    return Path(root) / "models"
+    return cache_dir() / "models"
 
 
 def resolve_model(name: str) -> str:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from mpengine.config import EngineConfig
-from mpengine.executor import Executor, torch_attention
+from mpengine.executor import Executor, native_attention, torch_attention
 from mpengine.protocol import Array, SamplingParams, StepPlan, StepResult
 from mpengine.testing.fake import start_seq
 
@@ -227,17 +228,26 @@ def check_greedy(executor: Executor, chunk: int = 16, budget: int = 40) -> None:
     [
         ("tiny", "padded"),
         ("tiny", "chunked"),
+        ("tiny", "native"),
         ("tiny-llama", "chunked"),
+        ("tiny-llama", "native"),
         ("tiny-gpt2", "padded"),
+        ("tiny-gpt2", "native"),
     ],
 )
 def test_greedy_matches_hf(model: str, decodes: str, monkeypatch) -> None:
     # Decodes of uneven contexts share steps: force each layout of the torch backend's decode
-    # call (chunked: each sequence's own blocks, 2 per chunk; padded: to the longest context).
+    # call (chunked: each sequence's own blocks, 2 per chunk; padded: to the longest context),
+    # or the native kernel, which reads each sequence's blocks in place.
+    if decodes == "native":
+        if native_attention.kernels() is None:
+            pytest.skip("no C compiler: the native kernels cannot be built here")
+        check_greedy(make_executor(model, attention_backend="native"))
+        return
     ratio = 0.0 if decodes == "chunked" else float("inf")
     monkeypatch.setattr(torch_attention, "CHUNKED_PADDING_RATIO", ratio)
     monkeypatch.setattr(torch_attention, "MAX_CHUNK_BLOCKS", 2)
-    check_greedy(make_executor(model))
+    check_greedy(make_executor(model, attention_backend="torch"))
 
 
 @pytest.fixture(scope="module")
@@ -394,12 +404,16 @@ def msgspec_replace(plan: StepPlan, **changes: object) -> StepPlan:
     return msgspec.structs.replace(plan, **changes)
 
 
-def test_cpu_runs_the_torch_backend_eagerly(tiny: Executor) -> None:
-    """The backend follows the device; CUDA graphs are never captured off a GPU."""
-    assert tiny.backend == "torch" and tiny.graphs is None
+def test_cpu_runs_a_cpu_backend_eagerly(tiny: Executor) -> None:
+    """The backend follows the device (native where its kernels build, else torch); CUDA
+    graphs are never captured off a GPU."""
+    expected = "native" if native_attention.kernels() is not None else "torch"
+    assert tiny.backend == expected and tiny.graphs is None
     assert EngineConfig.from_kwargs(enforce_eager=True).enforce_eager
     with pytest.raises(ValueError, match="not one of"):
         Executor(tiny.config, attention_backend="flash")  # type: ignore[arg-type]
+    with pytest.raises(msgspec.ValidationError, match="attention_backend"):
+        EngineConfig.from_kwargs(attention_backend="flash")
 
 
 def test_kv_cache_layout_and_sizing() -> None:

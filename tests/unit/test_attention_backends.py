@@ -1,4 +1,4 @@
-"""Both attention backends against plain per-sequence causal attention, on ragged batches.
+"""The attention backends against plain per-sequence causal attention, on ragged batches.
 
 A batch mixes decodes (one new token) with prefill chunks of up to ~600 tokens that start
 at position 0 or continue a cached context; contexts cross block boundaries, the blocks of
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpengine.executor import torch_attention
+from mpengine.executor import native_attention, torch_attention
 from mpengine.executor.attention import (
     METADATA_KWARG,
     AttentionMetadata,
@@ -125,9 +126,11 @@ WORKSPACE = torch_attention.Workspace()
 
 
 def run_torch(
-    batch: Batch, workspace: torch_attention.Workspace | None = WORKSPACE
+    batch: Batch,
+    workspace: torch_attention.Workspace | None = WORKSPACE,
+    native: native_attention.Kernels | None = None,
 ) -> torch.Tensor:
-    plan = torch_attention.plan_step(batch.layout, batch.cache, workspace)
+    plan = torch_attention.plan_step(batch.layout, batch.cache, workspace, native)
     cache = batch.cache.clone()
     out = torch_attention.attend(
         plan,
@@ -167,6 +170,90 @@ def test_torch_backend_matches_reference(
     torch.testing.assert_close(
         run_torch(batch).double(), reference(batch), atol=TOLERANCE, rtol=TOLERANCE
     )
+
+
+@pytest.fixture(scope="module")
+def kernels() -> native_attention.Kernels:
+    lib = native_attention.kernels()
+    if lib is None:
+        pytest.skip("no C compiler: the native kernels cannot be built here")
+    return lib
+
+
+@pytest.mark.parametrize(
+    ("group", "head_dim", "block_size"),
+    [(1, 32, 16), (2, 64, 16), (4, 80, 5), (8, 128, 32), (16, 96, 128)],
+)
+@pytest.mark.parametrize("case", range(len(RAGGED)))
+def test_native_backend_matches_reference(
+    kernels: native_attention.Kernels, case: int, group: int, head_dim: int, block_size: int
+) -> None:
+    starts, num_tokens = RAGGED[case]
+    batch = make_batch(starts, num_tokens, 2, group, head_dim, block_size, seed=case)
+    plan = torch_attention.plan_step(batch.layout, batch.cache, WORKSPACE, kernels)
+    assert plan.native is kernels
+    if 1 in num_tokens:
+        assert isinstance(plan.decode, torch_attention.NativeDecodePlan)
+    torch.testing.assert_close(
+        run_torch(batch, native=kernels).double(), reference(batch), atol=TOLERANCE, rtol=TOLERANCE
+    )
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_decodes_long_and_uneven(kernels: native_attention.Kernels, threads: int) -> None:
+    """Contexts from 1 key to ~2,000 in one step, with the OpenMP work split across
+    threads: every decode reads exactly its own keys."""
+    starts = [0, 1, 15, 16, 17, 2047, 600, 33, 1000, 0]
+    batch = make_batch(starts, [1] * len(starts), 4, 2, 64, 16, seed=7)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = run_torch(batch, native=kernels)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.double(), reference(batch), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_native_store_skips_negative_slots(kernels: native_attention.Kernels) -> None:
+    """A negative slot (a padding row) writes nothing; the others land in their rows, from
+    strided keys and values."""
+    cache = torch.zeros(2, 2, 4, 8, 16)
+    key = torch.randn(5, 2, 16).transpose(0, 1)  # [kv_heads, T, dim], not contiguous
+    value = torch.randn(5, 2, 16).transpose(0, 1)
+    slots = torch.tensor([3, -1, 8, 31, 0])
+    native_attention.store_kv(kernels, cache, slots, key, value)
+    flat = cache.view(2, 2, 32, 16)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            torch.testing.assert_close(flat[0, :, slot], key[:, t])
+            torch.testing.assert_close(flat[1, :, slot], value[:, t])
+    written = {s for s in slots.tolist() if s >= 0}
+    untouched = [r for r in range(32) if r not in written]
+    assert flat[:, :, untouched].abs().sum() == 0
+
+
+def test_native_kernels_are_cached(tmp_path, monkeypatch) -> None:
+    """The library is built once per source, compiler and CPU, then found in the cache."""
+    monkeypatch.setenv("MPENGINE_CACHE_DIR", str(tmp_path))
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler")
+    first = native_attention._library_path()
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert native_attention._library_path() == first
+    assert first.stat().st_mtime_ns == mtime
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left
+
+
+def test_native_kernels_unavailable_without_a_compiler(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("MPENGINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    native_attention.kernels.cache_clear()
+    try:
+        assert native_attention.kernels() is None
+        assert "no C compiler" in caplog.text
+    finally:
+        native_attention.kernels.cache_clear()
 
 
 def test_uneven_decodes_pick_the_chunked_layout() -> None:
