@@ -40,6 +40,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     num_threads: Annotated[int, Meta(ge=1)] | None = None
     enforce_eager: bool = False
     attention_backend: Literal["auto", "torch", "native", "triton"] = "auto"
+    compile_decode: bool = False
     seed: int = 0
     engine_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_]{0,16}$")] = ""
     address: str | None = None
@@ -143,6 +144,8 @@ HELP = {
     "attention_backend": "paged attention kernels: auto (triton on CUDA; on the CPU native, "
     "C kernels built on first use with the system's C compiler, or torch without one), torch "
     "(gathers and SDPA, the reference), native (CPU only), triton",
+    "compile_decode": "torch.compile the model for pure-decode steps (CPU, native attention): "
+    "1.1-1.4x faster decode steps for 20-40 s more at start-up",
     "seed": "seed of the sampler for requests without their own seed",
     "engine_id": "names the engine's shm segments and runtime directory (default: random)",
     "address": "ipc:///DIR for DIR/requests.sock and DIR/outputs.sock (default: a private "

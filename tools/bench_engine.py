@@ -15,8 +15,9 @@ executor's duty (forward + sample share of its time), each stage's busy ms per s
 the executor's phases, and the waits per step on the rings and the lockstep counter.
 Prints two tables, writes JSON. A row named ``RUNTIME@N`` (``processes-depth1@1``) runs with
 N torch threads, so thread counts can be compared in one run; ``RUNTIME:BACKEND``
-(``serial:torch``) with that attention backend. ``--busy-neighbours N`` runs the timed
-rounds beside N processes spinning on a core each, as on a shared machine.
+(``serial:torch``) with that attention backend, ``RUNTIME+compile`` with compiled decode
+steps (``compile_decode``). ``--busy-neighbours N`` runs the timed rounds beside N
+processes spinning on a core each, as on a shared machine.
 
     python tools/bench_engine.py --models tiny small --json bench_engine.json
     python tools/bench_engine.py --runtimes serial@2 processes-depth1@1 processes-depth1@2
@@ -118,26 +119,35 @@ def workload(model: str, args: argparse.Namespace) -> Workload:
 ATTENTION_BACKENDS = ("torch", "native", "triton")
 
 
-def row_spec(name: str) -> tuple[str, int | None, str | None]:
-    """``"processes-depth1:torch@2"`` -> ``("processes-depth1", 2, "torch")``; no ``@``: no
-    thread count; no ``:``: the engine's default attention backend."""
+def row_spec(name: str) -> tuple[str, int | None, dict[str, object]]:
+    """``"processes-depth1:torch+compile@2"`` -> ``("processes-depth1", 2, {engine config})``;
+    no ``@``: no thread count; no ``:``: the engine's default attention backend; ``+compile``:
+    compiled decode steps."""
     base, _, threads = name.partition("@")
+    base, compiled, _ = base.partition("+compile")
     base, _, backend = base.partition(":")
-    return base, int(threads) if threads else None, backend or None
+    engine: dict[str, object] = {"attention_backend": backend} if backend else {}
+    if compiled:
+        engine["compile_decode"] = True
+    return base, int(threads) if threads else None, engine
 
 
 def row_name(text: str) -> str:
-    """argparse type of a row: a known runtime, optionally ``:BACKEND`` and ``@THREADS``."""
+    """argparse type of a row: a known runtime, optionally ``:BACKEND``, ``+compile`` and
+    ``@THREADS``."""
     base, _, threads = text.partition("@")
+    base, compiled, rest = base.partition("+compile")
     base, _, backend = base.partition(":")
     if (
         base not in ROWS
+        or rest
         or (threads and not (threads.isdigit() and int(threads) > 0))
-        or (backend and (backend not in ATTENTION_BACKENDS or base == HF_ROW))
+        or ((backend or compiled) and base == HF_ROW)
+        or (backend and backend not in ATTENTION_BACKENDS)
     ):
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected one of {', '.join(ROWS)}, optionally followed by :BACKEND "
-            f"(engines: {', '.join(ATTENTION_BACKENDS)}) and @THREADS"
+            f"(engines: {', '.join(ATTENTION_BACKENDS)}), +compile (engines) and @THREADS"
         )
     return text
 
@@ -146,10 +156,8 @@ class EngineRow:
     """One engine runtime: a client, and its step breakdown between two points."""
 
     def __init__(self, model: str, name: str, args: argparse.Namespace) -> None:
-        base, threads, backend = row_spec(name)
-        engine = dict(args.engine, **({"num_threads": threads} if threads else {}))
-        if backend:
-            engine["attention_backend"] = backend
+        base, threads, options = row_spec(name)
+        engine = dict(args.engine, **({"num_threads": threads} if threads else {}), **options)
         self.engine = mpengine.launch(model=model, **CONFIGS[base], **engine)
         self.client = self.engine.client()
         info = self.engine.model
@@ -418,7 +426,7 @@ def main() -> None:
         type=row_name,
         metavar="RUNTIME[@THREADS]",
         help=f"rows, of {', '.join(ROWS)}; :BACKEND gives an engine that attention backend, "
-        "@N gives one N torch threads",
+        "+compile compiled decode steps, @N N torch threads",
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--num-requests", type=int, default=64)

@@ -25,6 +25,7 @@ from mpengine.config import EngineConfig
 from mpengine.envs import InjectedFault, fault_seqs, fault_steps
 from mpengine.executor import native_attention
 from mpengine.executor.attention import BACKENDS, METADATA_KWARG, Backend, default_backend
+from mpengine.executor.compiled import CompiledDecode
 from mpengine.executor.encoder import Encoder
 from mpengine.executor.input_batch import InputBatch, StepInputs
 from mpengine.executor.kv_cache import (
@@ -129,6 +130,14 @@ class Executor:
             if self.loaded.can_generate:
                 self.model.base_model.register_forward_hook(self._hidden_hook)
         self.graphs = self._capture_graphs()
+        self.compiled: CompiledDecode | None = None
+        if (
+            config.compile_decode
+            and self.backend == "native"
+            and self.loaded.can_generate
+            and self.pooler is None
+        ):
+            self.compiled = CompiledDecode.compile(self.model, self.kv_caches)
         self.encoder: Encoder | None = None
         if self.loaded.is_encoder:
             self.encoder = Encoder(self.model, self.device, self.loaded.pooling.hidden_size)
@@ -380,6 +389,9 @@ class Executor:
         }
         if not self.loaded.can_generate:  # a base model: hidden states only
             return None, self.model(**kwargs).last_hidden_state[0]
+        if not pools and self.compiled is not None and self.compiled.fits(metadata):
+            output = self.compiled.run(self.model, logits_to_keep=inputs.logits_rows, **kwargs)
+            return output.logits[0], None  # type: ignore[attr-defined]
         self._hidden, self._keep_hidden = None, pools
         try:
             output = self.model(logits_to_keep=inputs.logits_rows, **kwargs)

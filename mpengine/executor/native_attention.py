@@ -139,14 +139,36 @@ def _cpu_id() -> bytes:
 
 
 def store_kv(
-    lib: Kernels,
-    cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> None:
     """Write ``key``/``value`` ``[kv_heads, T, head_dim]`` (strided, unit last stride) into
-    ``cache`` rows ``slot_mapping`` ``[T]`` (int64, contiguous)."""
+    ``cache`` rows ``slot_mapping`` ``[T]`` (int64, contiguous); a negative slot is
+    skipped."""
+    (_store_kv_op if torch.compiler.is_compiling() else _store_kv)(cache, slot_mapping, key, value)
+
+
+def decode(
+    out: torch.Tensor,
+    queries: torch.Tensor,
+    cache: torch.Tensor,
+    rows: torch.Tensor | None,
+    block_table: torch.Tensor,
+    contexts: torch.Tensor,
+    scale: float,
+) -> None:
+    """Decode attention into ``out`` ``[T, heads, head_dim]`` (contiguous): decode ``i``
+    reads ``queries`` ``[T, heads, head_dim]`` row ``rows[i]`` (``None``: row ``i``), attends
+    to the first ``contexts[i]`` keys of its blocks ``block_table[i]`` (int32, contiguous
+    rows) and writes the same row of ``out``."""
+    call = _decode_op if torch.compiler.is_compiling() else _decode
+    call(out, queries, cache, rows, block_table, contexts, scale)
+
+
+def _store_kv(
+    cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    lib = kernels()
+    assert lib is not None
     key, value = _unit_last(key), _unit_last(value)
     lib.store(
         key.data_ptr(),
@@ -168,8 +190,7 @@ def store_kv(
     )
 
 
-def decode(
-    lib: Kernels,
+def _decode(
     out: torch.Tensor,
     queries: torch.Tensor,
     cache: torch.Tensor,
@@ -178,10 +199,8 @@ def decode(
     contexts: torch.Tensor,
     scale: float,
 ) -> None:
-    """Decode attention into ``out`` ``[T, heads, head_dim]`` (contiguous): decode ``i``
-    reads ``queries`` ``[T, heads, head_dim]`` row ``rows[i]`` (``None``: row ``i``), attends
-    to the first ``contexts[i]`` keys of its blocks ``block_table[i]`` (int32, contiguous
-    rows) and writes the same row of ``out``."""
+    lib = kernels()
+    assert lib is not None
     queries = _unit_last(queries)
     lib.decode(
         queries.data_ptr(),
@@ -207,6 +226,17 @@ def decode(
         out.stride(1),
         torch.get_num_threads(),
     )
+
+
+# The same as torch operators, for a compiled forward (``compiled.py``): torch.compile
+# cannot trace a ctypes call, and would split the graph at each one. Eager calls skip the
+# operator dispatch.
+_store_kv_op = torch.library.custom_op(
+    "mpengine::native_store_kv", _store_kv, mutates_args=("cache",)
+)
+_store_kv_op.register_fake(lambda *args: None)
+_decode_op = torch.library.custom_op("mpengine::native_decode", _decode, mutates_args=("out",))
+_decode_op.register_fake(lambda *args: None)
 
 
 def _unit_last(tensor: torch.Tensor) -> torch.Tensor:

@@ -196,7 +196,9 @@ def _plan_native_decodes(
     rows = first_token[members]
     in_order = bool((rows == np.arange(len(rows))).all())
     contexts = layout.starts[members] + 1
-    width = int(-(-contexts.max() // layout.block_size))
+    # At least two columns (the kernel reads only a context's own): a compiled forward
+    # treats a size of 1 as a special case, and would compile again for it.
+    width = max(int(-(-contexts.max() // layout.block_size)), 2)
     table = np.ascontiguousarray(layout.block_table[members, :width], dtype=np.int32)
     return NativeDecodePlan(
         rows=None if in_order else torch.from_numpy(rows.astype(np.int64)),
@@ -281,7 +283,7 @@ def attend(
     num_kv_heads, head_dim = cache.shape[1], cache.shape[-1]
     # 1. this step's keys and values -> their cache rows (every head at the same row)
     if plan.native is not None:
-        native_attention.store_kv(plan.native, cache, slot_mapping, key[0], value[0])
+        native_attention.store_kv(cache, slot_mapping, key[0], value[0])
     else:
         cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key[0])
         cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value[0])
@@ -302,7 +304,6 @@ def attend(
                 f"kernel takes at most {plan.native.max_group} (use the torch backend)"
             )
         native_attention.decode(
-            plan.native,
             out,
             queries,
             cache,

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from mpengine.config import EngineConfig
 from mpengine.executor import Executor, native_attention, torch_attention
+from mpengine.executor.compiled import CompiledDecode
 from mpengine.protocol import Array, SamplingParams, StepPlan, StepResult
 from mpengine.testing.fake import start_seq
 
@@ -248,6 +249,41 @@ def test_greedy_matches_hf(model: str, decodes: str, monkeypatch) -> None:
     monkeypatch.setattr(torch_attention, "CHUNKED_PADDING_RATIO", ratio)
     monkeypatch.setattr(torch_attention, "MAX_CHUNK_BLOCKS", 2)
     check_greedy(make_executor(model, attention_backend="torch"))
+
+
+def test_compiled_decode_steps_match_hf() -> None:
+    """compile_decode: pure-decode steps through torch.compile (the native kernels as graph
+    operators) give HF's greedy tokens; prefill and mixed steps stay eager."""
+    if native_attention.kernels() is None:
+        pytest.skip("no C compiler: the native kernels cannot be built here")
+    executor = make_executor("tiny", attention_backend="native", compile_decode=True)
+    assert executor.compiled is not None
+    calls = {"compiled": 0}
+    forward = executor.compiled.forward
+
+    def counted(**kwargs: object) -> object:
+        calls["compiled"] += 1
+        return forward(**kwargs)
+
+    executor.compiled.forward = counted
+    check_greedy(executor)
+    assert calls["compiled"] > 10 and not executor.compiled.failed
+
+
+def test_a_failing_compiled_step_falls_back_to_eager(caplog) -> None:
+    """If the compiled forward raises, that step is run again eagerly and so is every
+    later one: the tokens stay HF's."""
+    if native_attention.kernels() is None:
+        pytest.skip("no C compiler: the native kernels cannot be built here")
+    executor = make_executor("tiny", attention_backend="native")
+    executor.compiled = CompiledDecode(executor.model, executor.kv_caches)
+
+    def broken(**kwargs: object) -> object:
+        raise RuntimeError("inductor fell over")
+
+    executor.compiled.forward = broken
+    check_greedy(executor)
+    assert executor.compiled.failed and "decode steps now run eagerly" in caplog.text
 
 
 @pytest.fixture(scope="module")

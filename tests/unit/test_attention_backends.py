@@ -221,7 +221,7 @@ def test_native_store_skips_negative_slots(kernels: native_attention.Kernels) ->
     key = torch.randn(5, 2, 16).transpose(0, 1)  # [kv_heads, T, dim], not contiguous
     value = torch.randn(5, 2, 16).transpose(0, 1)
     slots = torch.tensor([3, -1, 8, 31, 0])
-    native_attention.store_kv(kernels, cache, slots, key, value)
+    native_attention.store_kv(cache, slots, key, value)
     flat = cache.view(2, 2, 32, 16)
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
