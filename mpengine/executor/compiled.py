@@ -5,12 +5,15 @@ operators one by one from Python. Inductor fuses the elementwise ones (norms, ro
 embeddings, activations, residuals) into generated C++ loops, and the native attention
 kernels enter the graph as operators (``native_attention``), so a step is one compiled
 call: measured 1.3-1.4x faster decode steps for the tiny model, 1.1x for the small one
-(64 sequences at context 128; ``tools/bench_engine.py`` has the end-to-end figures).
+(64 sequences at context 128), 1.23x the serial runtime's tokens/s on the tiny model
+(``tools/bench_engine.py``). The executor keeps one thread count beside it: dynamo guards
+on torch's thread count, so the thread tuner's switching would compile again.
 
 As with CUDA graphs on a GPU, only pure-decode steps take this path; prefill and mixed
 steps run eagerly. The model is compiled with dynamic shapes at start-up by two warm-up
-decodes, of one sequence and of two (a compiled graph treats a size of 1 apart; from 2 on
-one graph serves every batch size and context length), which costs 20-40 s on two cores.
+decodes, of one sequence and of five (a compiled graph treats a size of 1 apart; from 2
+on one graph serves every batch size and context length), which costs 20-40 s on two
+cores.
 Inductor keeps what it compiled in its on-disk cache, so later starts are faster. If
 compilation fails, or a compiled step raises, the executor logs why and runs every step
 eagerly from then on: slower, never wrong (a step that failed half-way is run again
@@ -45,8 +48,10 @@ class CompiledDecode:
         """Compile with warm-up decodes, or None (and a warning) if that fails."""
         compiled = cls(model, kv_caches)
         started = time.perf_counter()
+        for cache in kv_caches:  # fixed shapes: never a symbol a batch size could equal
+            torch._dynamo.mark_static(cache)
         try:
-            for size in (2, 1):
+            for size in (5, 1):
                 compiled._warm_up(size)
         except Exception:
             logger.warning("torch.compile of decode steps failed: they run eagerly", exc_info=True)
@@ -75,16 +80,18 @@ class CompiledDecode:
             return eager(**kwargs)
 
     @torch.inference_mode()
-    def _warm_up(self, size: int) -> None:
+    def _warm_up(self, size: int, width: int = 3) -> None:
         """A decode of ``size`` sequences of one token each, at position 0, over block 0,
-        that writes nothing to the cache (slot -1)."""
+        that writes nothing to the cache (slot -1). Sizes that equal each other when traced
+        are assumed equal ever after (a recompilation when they differ): the batch size
+        (5), its query starts (6) and the block-table width (3) are all different here."""
         lib = native_attention.kernels()
         assert lib is not None
         none = torch.full((size,), -1, dtype=torch.int64)
         plan = TorchPlan(
             decode=NativeDecodePlan(
                 rows=None,
-                block_table=torch.zeros(size, 2, dtype=torch.int32),
+                block_table=torch.zeros(size, width, dtype=torch.int32),
                 contexts=torch.ones(size, dtype=torch.int64),
             ),
             prefill=None,
@@ -96,16 +103,15 @@ class CompiledDecode:
             slot_mapping=none,
             cu_seqlens_q=torch.arange(size + 1, dtype=torch.int64),
             seq_lens=torch.ones(size, dtype=torch.int64),
-            block_table=torch.zeros(size, 2, dtype=torch.int32),
+            block_table=torch.zeros(size, width, dtype=torch.int32),
             num_tokens=size,
             max_context=1,
             decode_only=True,
             torch_plan=plan,
         )
-        ids = torch.zeros(1, size, dtype=torch.int64)
         self.forward(
-            input_ids=ids,
-            position_ids=ids,
+            input_ids=torch.zeros(1, size, dtype=torch.int64),
+            position_ids=torch.zeros(1, size, dtype=torch.int64),  # not the same tensor
             use_cache=False,
             logits_to_keep=torch.arange(size),
             **{METADATA_KWARG: metadata},

@@ -143,7 +143,14 @@ class Executor:
             self.encoder = Encoder(self.model, self.device, self.loaded.pooling.hidden_size)
             self.encoder.calibrate(self.max_model_len)
         self.threads: ThreadTuner | None = None
-        if self.device.type == "cpu" and config.num_threads is None and config.max_threads > 1:
+        # Not beside compiled steps: their graphs are compiled for one thread count (a new
+        # count compiles them again).
+        if (
+            self.device.type == "cpu"
+            and config.num_threads is None
+            and config.max_threads > 1
+            and self.compiled is None
+        ):
             self.threads = ThreadTuner((1, config.max_threads))
         self.requests: dict[int, RequestParams] = {}  # by key, from plan to release
         self.fault_steps, self.fault_seqs = fault_steps(), fault_seqs()

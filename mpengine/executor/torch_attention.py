@@ -199,7 +199,9 @@ def _plan_native_decodes(
     # At least two columns (the kernel reads only a context's own): a compiled forward
     # treats a size of 1 as a special case, and would compile again for it.
     width = max(int(-(-contexts.max() // layout.block_size)), 2)
-    table = np.ascontiguousarray(layout.block_table[members, :width], dtype=np.int32)
+    table = np.full((len(members), width), -1, dtype=np.int32)
+    rows_table = layout.block_table[members, :width]
+    table[:, : rows_table.shape[1]] = rows_table
     return NativeDecodePlan(
         rows=None if in_order else torch.from_numpy(rows.astype(np.int64)),
         block_table=torch.from_numpy(table),
