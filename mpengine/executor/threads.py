@@ -11,19 +11,26 @@ executor measures it where it runs.
 
 Steps are grouped in size classes by their token count (1, 2-3, 4-7, ... tokens). The first
 ``trials`` steps of a class cycle through the candidate counts; the class then runs with
-the count of the lowest median step time. The load beside the engine changes, and a
-parallel region whose core is taken stalls (with a busy neighbour process, two threads
-took 5-15x longer per step here, one thread about 1.2x): a class is timed again after
-``first_recheck`` more steps, then after twice as many each time up to ``recheck`` (a
-choice made while the machine was busy does not last), or as soon as the median of its
-last ``window`` steps is ``slowdown`` times the median it was chosen at. An explicit
-``num_threads`` turns this off.
+the count of the lowest median step period: a step's own time plus the wait for the next
+plan after it. The wait is what a step costs the processes beside it: while two threads
+hold both cores of a two-core machine, the scheduler and output processor run late, and
+the next plan with them (the tiny model decoding in the processes runtime: 4.2 ms steps
+but a 4.9 ms period with two threads, 4.0 and 4.0 ms with one). A wait longer than the
+step itself is the engine idling, not contention, and is left out.
+
+The load beside the engine changes, and a parallel region whose core is taken stalls
+(with a busy neighbour process, two threads took 5-15x longer per step here, one thread
+about 1.2x): a class is timed again after ``first_recheck`` more steps, then after twice
+as many each time up to ``recheck`` (a choice made while the machine was busy does not
+last), or as soon as the median of its last ``window`` steps is ``slowdown`` times the
+median it was chosen at. An explicit ``num_threads`` turns this off.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +51,7 @@ class _SizeClass:
 
 
 class ThreadTuner:
-    """Per size class of step, the thread count of the fastest median step time."""
+    """Per size class of step, the thread count of the shortest median step period."""
 
     def __init__(
         self,
@@ -55,6 +62,7 @@ class ThreadTuner:
         window: int = 8,
         slowdown: float = 1.5,
         set_threads: Callable[[int], None] = torch.set_num_threads,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if not candidates or min(candidates) < 1:
             raise ValueError(f"thread candidates must be >= 1, got {candidates}")
@@ -65,9 +73,12 @@ class ThreadTuner:
         self.window = window
         self.slowdown = slowdown
         self._set_threads = set_threads
+        self._clock = clock
         self._classes: dict[int, _SizeClass] = {}
         self._current = 0  # unknown: the first choice always sets it
         self._step: tuple[int, int, bool] | None = None  # (size class, threads, trial)
+        # The step ended last, until the next one begins: (step, its seconds, when it ended).
+        self._ended: tuple[tuple[int, int, bool], float, float] | None = None
 
     @staticmethod
     def size_class(num_tokens: int) -> int:
@@ -75,6 +86,7 @@ class ThreadTuner:
 
     def begin(self, num_tokens: int) -> int:
         """Set the thread count for a step of ``num_tokens`` tokens; returns it."""
+        self._settle()
         key = self.size_class(num_tokens)
         size = self._classes.get(key)
         if size is None:
@@ -93,11 +105,22 @@ class ThreadTuner:
         return threads
 
     def end(self, seconds: float) -> None:
-        """Record the time of the step begun last (once)."""
-        if self._step is None:
+        """The step begun last took ``seconds``; it counts with the wait after it, when the
+        next step begins (or :meth:`choices` is asked)."""
+        if self._step is not None:
+            self._ended = (self._step, seconds, self._clock())
+            self._step = None
+
+    def _settle(self) -> None:
+        if self._ended is None:
             return
-        key, threads, trial = self._step
-        self._step = None
+        step, seconds, ended = self._ended
+        self._ended = None
+        wait = self._clock() - ended
+        self._record(step, seconds + wait if wait <= seconds else seconds)
+
+    def _record(self, step: tuple[int, int, bool], seconds: float) -> None:
+        key, threads, trial = step
         size = self._classes[key]
         if not trial:
             size.recent.append(seconds)
@@ -126,6 +149,7 @@ class ThreadTuner:
 
     def choices(self) -> dict[int, int]:
         """The settled thread count of each size class, by its largest token count."""
+        self._settle()
         return {
             (1 << key) - 1: size.chosen
             for key, size in sorted(self._classes.items())

@@ -93,3 +93,39 @@ def test_rechecks_come_soon_then_twice_as_far_apart_each_time() -> None:
     trial, chosen = [1, 2, 1, 2], [1]
     expected = trial + chosen * 3 + trial + chosen * 6 + trial + chosen * 12 + trial + chosen * 12
     assert used == expected
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_wait_after_a_step_counts_against_its_thread_count() -> None:
+    """Two threads make the step faster but the next plan late (the stages beside it were
+    starved): one thread has the shorter period, and wins."""
+    clock = Clock()
+    tuner = ThreadTuner((1, 2), trials=3, recheck=100, set_threads=lambda n: None, clock=clock)
+    step = {1: 0.010, 2: 0.008}
+    wait = {1: 0.000, 2: 0.004}
+    for _ in range(6):
+        threads = tuner.begin(64)
+        clock.now += step[threads]
+        tuner.end(step[threads])
+        clock.now += wait[threads]
+    assert tuner.choices() == {127: 1}
+
+
+def test_an_idle_gap_is_not_counted() -> None:
+    """A wait longer than the step is the engine idling between requests: left out."""
+    clock = Clock()
+    tuner = ThreadTuner((1, 2), trials=3, recheck=100, set_threads=lambda n: None, clock=clock)
+    step = {1: 0.010, 2: 0.008}
+    for i in range(6):
+        threads = tuner.begin(64)
+        clock.now += step[threads]
+        tuner.end(step[threads])
+        clock.now += 5.0 if i % 2 else 0.0  # idle after every two-thread trial
+    assert tuner.choices() == {127: 2}
