@@ -145,8 +145,8 @@ HELP = {
     "C kernels built on first use with the system's C compiler, or torch without one), torch "
     "(gathers and SDPA, the reference), native (CPU only), triton",
     "compile_decode": "torch.compile the model for pure-decode steps (CPU, native attention): "
-    "1.1-1.4x faster decode steps for 20-40 s more at start-up; the executor then keeps one "
-    "thread count (num_threads, else the default's largest)",
+    "1.1-1.4x faster decode steps for 20-40 s more at start-up per thread count the executor "
+    "may use",
     "seed": "seed of the sampler for requests without their own seed",
     "engine_id": "names the engine's shm segments and runtime directory (default: random)",
     "address": "ipc:///DIR for DIR/requests.sock and DIR/outputs.sock (default: a private "

@@ -6,14 +6,14 @@ embeddings, activations, residuals) into generated C++ loops, and the native att
 kernels enter the graph as operators (``native_attention``), so a step is one compiled
 call: measured 1.3-1.4x faster decode steps for the tiny model, 1.1x for the small one
 (64 sequences at context 128), 1.23x the serial runtime's tokens/s on the tiny model
-(``tools/bench_engine.py``). The executor keeps one thread count beside it: dynamo guards
-on torch's thread count, so the thread tuner's switching would compile again.
+(``tools/bench_engine.py``). Dynamo guards on torch's thread count: the graphs are
+compiled for each count the thread tuner may pick, so its switching compiles nothing.
 
 As with CUDA graphs on a GPU, only pure-decode steps take this path; prefill and mixed
 steps run eagerly. The model is compiled with dynamic shapes at start-up by two warm-up
-decodes, of one sequence and of five (a compiled graph treats a size of 1 apart; from 2
-on one graph serves every batch size and context length), which costs 20-40 s on two
-cores.
+decodes per thread count, of one sequence and of five (a compiled graph treats a size of 1
+apart; from 2 on one graph serves every batch size and context length), which costs 20-40
+s per thread count on two cores.
 Inductor keeps what it compiled in its on-disk cache, so later starts are faster. If
 compilation fails, or a compiled step raises, the executor logs why and runs every step
 eagerly from then on: slower, never wrong (a step that failed half-way is run again
@@ -43,20 +43,30 @@ class CompiledDecode:
 
     @classmethod
     def compile(
-        cls, model: torch.nn.Module, kv_caches: list[torch.Tensor]
+        cls,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        thread_counts: tuple[int, ...] = (1,),
     ) -> CompiledDecode | None:
-        """Compile with warm-up decodes, or None (and a warning) if that fails."""
+        """Compile with warm-up decodes for each of ``thread_counts`` (the thread tuner's
+        candidates; the last is left set), or None (and a warning) if that fails."""
         compiled = cls(model, kv_caches)
         started = time.perf_counter()
         for cache in kv_caches:  # fixed shapes: never a symbol a batch size could equal
             torch._dynamo.mark_static(cache)
         try:
-            for size in (5, 1):
-                compiled._warm_up(size)
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                for size in (5, 1):
+                    compiled._warm_up(size)
         except Exception:
             logger.warning("torch.compile of decode steps failed: they run eagerly", exc_info=True)
             return None
-        logger.info("compiled decode steps in %.1f s", time.perf_counter() - started)
+        logger.info(
+            "compiled decode steps for %s thread(s) in %.1f s",
+            "/".join(map(str, thread_counts)),
+            time.perf_counter() - started,
+        )
         return compiled
 
     def fits(self, metadata: AttentionMetadata) -> bool:

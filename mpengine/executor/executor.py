@@ -130,6 +130,8 @@ class Executor:
             if self.loaded.can_generate:
                 self.model.base_model.register_forward_hook(self._hidden_hook)
         self.graphs = self._capture_graphs()
+        tuned = self.device.type == "cpu" and config.num_threads is None and config.max_threads > 1
+        thread_counts = (1, config.max_threads) if tuned else (config.max_threads,)
         self.compiled: CompiledDecode | None = None
         if (
             config.compile_decode
@@ -137,21 +139,12 @@ class Executor:
             and self.loaded.can_generate
             and self.pooler is None
         ):
-            self.compiled = CompiledDecode.compile(self.model, self.kv_caches)
+            self.compiled = CompiledDecode.compile(self.model, self.kv_caches, thread_counts)
         self.encoder: Encoder | None = None
         if self.loaded.is_encoder:
             self.encoder = Encoder(self.model, self.device, self.loaded.pooling.hidden_size)
             self.encoder.calibrate(self.max_model_len)
-        self.threads: ThreadTuner | None = None
-        # Not beside compiled steps: their graphs are compiled for one thread count (a new
-        # count compiles them again).
-        if (
-            self.device.type == "cpu"
-            and config.num_threads is None
-            and config.max_threads > 1
-            and self.compiled is None
-        ):
-            self.threads = ThreadTuner((1, config.max_threads))
+        self.threads = ThreadTuner(thread_counts) if tuned else None
         self.requests: dict[int, RequestParams] = {}  # by key, from plan to release
         self.fault_steps, self.fault_seqs = fault_steps(), fault_seqs()
         # The last step's phases: (name, perf_counter() when it began), in order, closed by
