@@ -41,12 +41,14 @@ Backend = Literal["torch", "native", "triton"]
 BACKENDS: tuple[Backend, ...] = ("torch", "native", "triton")
 
 
-def default_backend(device: torch.device) -> Backend:
-    """Triton on a GPU; on the CPU native where its kernels build, else torch (the Triton
-    kernels only run interpreted on a CPU)."""
+def default_backend(device: torch.device, cache: torch.Tensor, num_heads: int) -> Backend:
+    """Triton on a GPU; on the CPU native where its kernels build and take the model's
+    ``cache`` (a layer's, or one of its shape and dtype) and query heads, else torch (the
+    Triton kernels only run interpreted on a CPU)."""
     if device.type == "cuda":
         return "triton"
-    return "native" if native_attention.kernels() is not None else "torch"
+    lib = native_attention.kernels()
+    return "native" if lib is not None and lib.supports(cache, num_heads) else "torch"
 
 
 @dataclass(slots=True)

@@ -78,14 +78,6 @@ class Executor:
         self.loaded: LoadedModel = load_model(config)
         self.model = self.loaded.model
         self.device = self.loaded.device
-        self.backend: Backend = attention_backend or default_backend(self.device)
-        if self.backend == "native" and (
-            self.device.type != "cpu" or native_attention.kernels() is None
-        ):
-            raise ValueError(
-                "native attention needs the CPU and its kernels built with a C compiler "
-                f"(device {self.device}; see the log for the build)"
-            )
         spec = KVCacheSpec(
             num_layers=self.loaded.num_layers,
             num_kv_heads=self.loaded.num_kv_heads,
@@ -93,6 +85,26 @@ class Executor:
             block_size=config.block_size,
             dtype=self.loaded.dtype,
         )
+        # A layer cache's shape and dtype, with no blocks: what the kernels must take.
+        like = torch.empty(
+            (2, spec.num_kv_heads, 0, spec.block_size, spec.head_dim),
+            dtype=spec.dtype,
+            device=self.device,
+        )
+        num_heads = self.loaded.num_heads
+        self.backend: Backend = attention_backend or default_backend(self.device, like, num_heads)
+        if self.backend == "native":
+            lib = native_attention.kernels()
+            if lib is None:
+                raise ValueError("native attention needs its kernels, built with a C compiler")
+            if not lib.supports(like, num_heads):
+                raise ValueError(
+                    f"native attention takes float32 CPU caches, head_dim <= {lib.max_head_dim}"
+                    f", block_size <= {lib.max_block_size} and at most {lib.max_group} query "
+                    f"heads per KV head, not {self.device} {spec.dtype}, head_dim "
+                    f"{spec.head_dim}, block_size {spec.block_size}, {num_heads} heads over "
+                    f"{spec.num_kv_heads}"
+                )
         if self.loaded.is_encoder:
             self.num_blocks = 0  # whole prompts per step: nothing to keep between steps
         elif self.device.type == "cuda" and config.num_gpu_blocks_override is None:

@@ -56,6 +56,7 @@ class LoadedModel:
     vocab_size: int
     eos_token_ids: list[int]
     num_layers: int
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     pooling: PoolingInfo | None = None  # None: cannot embed
@@ -175,6 +176,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         vocab_size=vocab_size,
         eos_token_ids=_eos_token_ids(path, text_config) if kind == "causal" else [],
         num_layers=text_config.num_hidden_layers,
+        num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         pooling=pooling,

@@ -83,12 +83,11 @@ def kernels() -> Kernels | None:
     """The kernels, built or found in the cache on first call; ``None`` when they cannot be
     built here (logged once)."""
     try:
-        path = _library_path()
-    except (OSError, subprocess.SubprocessError) as exc:
+        # torch has loaded its libgomp.so.1 already: the library's OpenMP binds to that one.
+        return Kernels(ctypes.CDLL(str(_library_path())))
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         logger.warning("native CPU attention unavailable, using the torch backend: %s", exc)
         return None
-    # torch has loaded its libgomp.so.1 already: the library's OpenMP binds to that one.
-    return Kernels(ctypes.CDLL(str(path)))
 
 
 def _library_path() -> Path:

@@ -458,6 +458,11 @@ def test_cpu_runs_a_cpu_backend_eagerly(tiny: Executor) -> None:
         Executor(tiny.config, attention_backend="flash")  # type: ignore[arg-type]
     with pytest.raises(msgspec.ValidationError, match="attention_backend"):
         EngineConfig.from_kwargs(attention_backend="flash")
+    if expected == "native":
+        # What the kernels do not take falls back to torch by default, and is refused by name.
+        assert make_executor("tiny", block_size=256).backend == "torch"
+        with pytest.raises(ValueError, match="block_size <= 128"):
+            make_executor("tiny", block_size=256, attention_backend="native")
 
 
 def test_kv_cache_layout_and_sizing() -> None:
