@@ -18,12 +18,14 @@ suits long queries; only float32 caches use the kernels.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -91,18 +93,22 @@ def kernels() -> Kernels | None:
 
 
 def _library_path() -> Path:
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise OSError(f"no C compiler ({compiler!r} is not on PATH)")
+    compiler = shlex.split(os.environ.get("CC") or "cc")
+    if not compiler or shutil.which(compiler[0]) is None:
+        raise OSError(f"no C compiler ({os.environ.get('CC') or 'cc'!r} is not on PATH)")
     version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
+        [*compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_id()):
         key.update(part)
     path = cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
-    if path.exists():
-        return path
+    # The library's own digest beside it: a damaged file (a truncated library crashes the
+    # process that loads it, with no exception to catch) is built again instead.
+    digest = path.with_suffix(".sha256")
+    with contextlib.suppress(OSError):
+        if digest.read_text() == _digest(path):
+            return path
     path.parent.mkdir(parents=True, exist_ok=True)
     # Built beside its final name, then renamed: processes that build at once each write
     # their own file, and the last rename wins with an identical library.
@@ -111,17 +117,29 @@ def _library_path() -> Path:
     try:
         errors = ""
         for arch in (ARCH_FLAGS, []):
-            cmd = [compiler, *FLAGS, *arch, "-o", tmp, str(SOURCE)]
+            cmd = [*compiler, *FLAGS, *arch, "-o", tmp, str(SOURCE)]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if done.returncode == 0:
+            if done.returncode == 0 and os.path.getsize(tmp) > 0:
+                _write_atomically(digest, _digest(Path(tmp)))
                 os.replace(tmp, path)
                 logger.info("built %s", path)
                 return path
-            errors = done.stderr.strip()
-        raise OSError(f"{compiler} failed: {errors[-2000:]}")
+            errors = done.stderr.strip() or f"exit status {done.returncode}, no library"
+        raise OSError(f"{' '.join(compiler)} failed: {errors[-2000:]}")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def _cpu_id() -> bytes:

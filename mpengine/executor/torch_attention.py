@@ -81,6 +81,7 @@ class NativeDecodePlan:
     rows: torch.Tensor | None  # [D] int64 batch rows of the decodes; None: rows 0 .. D-1
     block_table: torch.Tensor  # [D, W] int32, contiguous
     contexts: torch.Tensor  # [D] int64, keys of each decode
+    max_group: int  # query heads per KV head the kernel takes
 
 
 @dataclass(slots=True)
@@ -140,7 +141,7 @@ def plan_step(
     if is_decode.any():
         members = np.flatnonzero(is_decode)
         if native is not None:
-            decode = _plan_native_decodes(layout, members, first_token)
+            decode = _plan_native_decodes(layout, members, first_token, native.max_group)
         else:
             decode = _plan_decodes(layout, members, first_token, cache)
     if not is_decode.all():
@@ -191,7 +192,7 @@ def _plan_decodes(
 
 
 def _plan_native_decodes(
-    layout: StepLayout, members: np.ndarray, first_token: np.ndarray
+    layout: StepLayout, members: np.ndarray, first_token: np.ndarray, max_group: int
 ) -> NativeDecodePlan:
     rows = first_token[members]
     in_order = bool((rows == np.arange(len(rows))).all())
@@ -206,6 +207,7 @@ def _plan_native_decodes(
         rows=None if in_order else torch.from_numpy(rows.astype(np.int64)),
         block_table=torch.from_numpy(table),
         contexts=torch.from_numpy(contexts.astype(np.int64)),
+        max_group=max_group,
     )
 
 
@@ -283,6 +285,13 @@ def attend(
     """One layer: ``query`` ``[1, heads, T, dim]``, ``key``/``value`` ``[1, kv_heads, T, dim]``
     (transformers' layout); returns ``[T, heads, dim]``."""
     num_kv_heads, head_dim = cache.shape[1], cache.shape[-1]
+    group = query.shape[1] // num_kv_heads
+    if isinstance(plan.decode, NativeDecodePlan) and group > plan.decode.max_group:
+        # (before anything is written)
+        raise NotImplementedError(
+            f"{group} query heads per KV head: the native kernel takes at most "
+            f"{plan.decode.max_group} (use the torch backend)"
+        )
     # 1. this step's keys and values -> their cache rows (every head at the same row)
     if plan.native is not None:
         native_attention.store_kv(cache, slot_mapping, key[0], value[0])
@@ -299,12 +308,6 @@ def attend(
         out = queries.new_empty(queries.shape[0], queries.shape[1], value.shape[-1])
         decode = plan.decode
         scale = head_dim**-0.5 if scaling is None else scaling
-        assert plan.native is not None
-        if queries.shape[1] // num_kv_heads > plan.native.max_group:
-            raise NotImplementedError(
-                f"{queries.shape[1] // num_kv_heads} query heads per KV head: the native "
-                f"kernel takes at most {plan.native.max_group} (use the torch backend)"
-            )
         native_attention.decode(
             out,
             queries,

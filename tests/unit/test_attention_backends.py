@@ -242,7 +242,43 @@ def test_native_kernels_are_cached(tmp_path, monkeypatch) -> None:
     mtime = first.stat().st_mtime_ns
     assert native_attention._library_path() == first
     assert first.stat().st_mtime_ns == mtime
-    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left
+    names = sorted(p.name for p in first.parent.iterdir())  # no temporary left
+    assert names == sorted([first.name, first.with_suffix(".sha256").name])
+
+
+def test_a_damaged_cached_library_is_built_again(tmp_path, monkeypatch) -> None:
+    """Loading a truncated library would crash the process: its digest gives it away."""
+    monkeypatch.setenv("MPENGINE_CACHE_DIR", str(tmp_path))
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler")
+    path = native_attention._library_path()
+    good = path.read_bytes()
+    path.write_bytes(good[:1000])
+    assert native_attention._library_path() == path
+    assert path.read_bytes() == good
+
+
+def test_compilers_with_arguments_and_compilers_that_write_nothing(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MPENGINE_CACHE_DIR", str(tmp_path))
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("CC", "cc -w")
+    assert native_attention._library_path().stat().st_size > 0
+    monkeypatch.setenv("MPENGINE_CACHE_DIR", str(tmp_path / "other"))
+    monkeypatch.setenv("CC", "true")  # exits 0, writes no library
+    with pytest.raises(OSError, match="no library"):
+        native_attention._library_path()
+    assert not list((tmp_path / "other" / "kernels").glob("*.so"))
+
+
+def test_too_many_query_heads_fail_before_the_cache_is_written(kernels) -> None:
+    batch = make_batch([3, 10], [1, 1], 1, kernels.max_group + 1, 8, 16)
+    plan = torch_attention.plan_step(batch.layout, batch.cache, WORKSPACE, kernels)
+    cache = batch.cache.clone()
+    slots = torch.from_numpy(batch.slot_mapping)
+    with pytest.raises(NotImplementedError, match="query heads per KV head"):
+        torch_attention.attend(plan, cache, slots, batch.query, batch.key, batch.value, None)
+    assert torch.equal(cache, batch.cache)
 
 
 def test_native_kernels_unavailable_without_a_compiler(tmp_path, monkeypatch, caplog) -> None:

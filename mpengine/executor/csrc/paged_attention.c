@@ -88,10 +88,9 @@ void mpengine_decode_attention_f32(const float *query, int64_t q_tok, int64_t q_
     for (int64_t item = 0; item < items; item++) {
         const int64_t i = item / num_kv_heads, g = item % num_kv_heads;
         const int64_t row = rows ? rows[i] : i, ctx = context[i];
-        float qs[MAX_GROUP][MAX_DIM] __attribute__((aligned(64)));
-        float acc[MAX_GROUP][MAX_DIM] __attribute__((aligned(64)));
-        float p[MAX_GROUP][MAX_BLOCK] __attribute__((aligned(64)));
-        float m[MAX_GROUP], l[MAX_GROUP];
+        /* Scratch sized by the model, not by the limits: OpenMP threads' stacks may be
+         * small (OMP_STACKSIZE). */
+        float qs[group][dim], acc[group][dim], p[group][bs], m[group], l[group];
         for (int64_t h = 0; h < group; h++) {
             const float *q = query + row * q_tok + (g * group + h) * q_head;
             for (int64_t d = 0; d < dim; d++) {
