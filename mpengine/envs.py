@@ -13,6 +13,10 @@ One more says where things built on this machine are kept:
 
 - ``MPENGINE_CACHE_DIR``: the built-in tiny models (``models/``) and the CPU attention
   kernels (``kernels/``); default ``~/.cache/mpengine``.
+
+And the executor honours two of its tools' own: ``CC`` (the C compiler that builds the CPU
+attention kernels, default ``cc``) and ``TRITON_INTERPRET=1`` (Triton's interpreter, which
+lets the triton backend run on a CPU, for tests).
 """
 
 from __future__ import annotations

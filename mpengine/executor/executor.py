@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -93,6 +94,11 @@ class Executor:
         )
         num_heads = self.loaded.num_heads
         self.backend: Backend = attention_backend or default_backend(self.device, like, num_heads)
+        if self.backend == "triton" and self.device.type != "cuda" and not _triton_interpreted():
+            raise ValueError(
+                "triton attention needs a CUDA device (on the CPU its kernels only run under "
+                "the interpreter, TRITON_INTERPRET=1, for tests)"
+            )
         if self.backend == "native":
             lib = native_attention.kernels()
             if lib is None:
@@ -145,13 +151,17 @@ class Executor:
         tuned = self.device.type == "cpu" and config.num_threads is None and config.max_threads > 1
         thread_counts = (1, config.max_threads) if tuned else (config.max_threads,)
         self.compiled: CompiledDecode | None = None
-        if (
-            config.compile_decode
-            and self.backend == "native"
-            and self.loaded.can_generate
-            and self.pooler is None
-        ):
-            self.compiled = CompiledDecode.compile(self.model, self.kv_caches, thread_counts)
+        if config.compile_decode:
+            if self.backend == "native" and self.loaded.can_generate and self.pooler is None:
+                self.compiled = CompiledDecode.compile(self.model, self.kv_caches, thread_counts)
+            else:
+                logger.warning(
+                    "compile_decode ignored: it compiles the decode steps of a generating "
+                    "model without pooling on native attention (here %s attention%s)",
+                    self.backend,
+                    ", a pooling model" if self.pooler is not None or self.loaded.is_encoder
+                    else "",
+                )  # fmt: skip
         self.encoder: Encoder | None = None
         if self.loaded.is_encoder:
             self.encoder = Encoder(self.model, self.device, self.loaded.pooling.hidden_size)
@@ -649,3 +659,7 @@ def _gpu_memory_start(config: EngineConfig) -> MemoryStart | None:
     from mpengine.executor.gpu_memory import MemoryStart
 
     return MemoryStart.take()
+
+
+def _triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"

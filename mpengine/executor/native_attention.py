@@ -88,7 +88,7 @@ def kernels() -> Kernels | None:
         # torch has loaded its libgomp.so.1 already: the library's OpenMP binds to that one.
         return Kernels(ctypes.CDLL(str(_library_path())))
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
-        logger.warning("native CPU attention unavailable, using the torch backend: %s", exc)
+        logger.warning("native CPU attention kernels unavailable: %s", exc)
         return None
 
 

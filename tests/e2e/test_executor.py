@@ -278,6 +278,12 @@ def test_compiled_decode_steps_match_hf() -> None:
     assert calls["compiled"] > 10 and not executor.compiled.failed
 
 
+def test_compile_decode_says_when_it_does_not_apply(caplog) -> None:
+    executor = make_executor("tiny", attention_backend="torch", compile_decode=True)
+    assert executor.compiled is None
+    assert "compile_decode ignored" in caplog.text and "torch attention" in caplog.text
+
+
 def test_a_failing_compiled_step_falls_back_to_eager(caplog) -> None:
     """If the compiled forward raises, that step is run again eagerly and so is every
     later one: the tokens stay HF's."""
@@ -458,6 +464,9 @@ def test_cpu_runs_a_cpu_backend_eagerly(tiny: Executor) -> None:
         Executor(tiny.config, attention_backend="flash")  # type: ignore[arg-type]
     with pytest.raises(msgspec.ValidationError, match="attention_backend"):
         EngineConfig.from_kwargs(attention_backend="flash")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="triton attention needs a CUDA device"):
+            Executor(tiny.config, attention_backend="triton")
     if expected == "native":
         # What the kernels do not take falls back to torch by default, and is refused by name.
         assert make_executor("tiny", block_size=256).backend == "torch"
