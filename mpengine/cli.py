@@ -147,6 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 whole.text += delta.text
                 whole.token_ids += delta.token_ids
                 whole.finish_reason = delta.finish_reason
+                whole.error = delta.outputs[0].error or whole.error
                 if whole.logprobs is not None:
                     whole.logprobs += delta.outputs[0].logprobs or []
             sys.stdout.write("\n")
@@ -166,6 +167,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     "token_ids": sample.token_ids,
                     "finish_reason": sample.finish_reason,
                 }
+                if sample.error is not None:
+                    record["error"] = sample.error
                 if sample.logprobs is not None:
                     # Per token: [token id, logprob] pairs, the sampled token first.
                     record["logprobs"] = [list(map(list, step.items())) for step in sample.logprobs]
@@ -178,7 +181,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tokens/s)",
         file=sys.stderr,
     )
-    return 0
+    failed = [s for o in outputs for s in o.outputs if s.finish_reason == "error"]
+    for sample in failed:
+        print(f"mpengine: sample {sample.index} failed: {sample.error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _print_tokens(sample) -> None:

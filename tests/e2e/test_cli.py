@@ -84,6 +84,18 @@ def test_embed_prints_embeddings():
     assert done.returncode != 0 and "dimensions" in done.stderr
 
 
+def test_generate_reports_failed_samples_and_exits_1():
+    """A sample the engine fails is printed with its error, and the exit status says so."""
+    cmd = [sys.executable, "-m", "mpengine.cli", "generate", "--model", "tiny", "--json"]
+    cmd += ["--prompt", "Hello there", "--max-tokens", "5", "--runtime", "serial"]
+    env = {**os.environ, "MPENGINE_FAULT_SEQS": "0,1,2,3"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 1, done.stderr
+    (record,) = [json.loads(line) for line in done.stdout.splitlines()]
+    assert record["finish_reason"] == "error" and "injected" in record["error"]
+    assert "sample 0 failed" in done.stderr
+
+
 def test_generate_stream_prints_what_generate_prints(capsys):
     argv = ["generate", "--model", "tiny", "--runtime", "serial", "--prompt", "Once upon"]
     argv += ["--max-tokens", "6", "--ignore-eos", "--temperature", "0", "--logprobs", "2"]
