@@ -337,7 +337,9 @@ def run_executor(config: EngineConfig, wiring: Wiring, control: Control, stop: S
 def run_scheduler(config: EngineConfig, wiring: Wiring, control: Control, stop: StopFlag) -> None:
     from mpengine.scheduler import Scheduler
 
-    model = control.wait_model(config.startup_timeout)
+    model = control.wait_model(config.startup_timeout, stop)
+    if model is None:
+        return
     scheduler = Scheduler.for_model(config, model)
     plans = Link.ring(wiring.plan_ring)
     announces = Link.ring(wiring.announce_ring)
@@ -372,7 +374,9 @@ def run_scheduler(config: EngineConfig, wiring: Wiring, control: Control, stop: 
 def run_output(config: EngineConfig, wiring: Wiring, control: Control, stop: StopFlag) -> None:
     from mpengine.output import OutputProcessor
 
-    model = control.wait_model(config.startup_timeout)
+    model = control.wait_model(config.startup_timeout, stop)
+    if model is None:
+        return
     processor = OutputProcessor(model.tokenizer_path, model.eos_token_ids)
     results = Link.ring(wiring.result_ring, result_decoder())
     announces = Link.ring(wiring.announce_ring, announcement_decoder())

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -38,6 +39,9 @@ DRAIN_SIGNAL = signal.SIGUSR1  # scheduler: refuse new requests, let admitted on
 ABORT_SIGNAL = signal.SIGRTMIN  # scheduler: abort every unfinished request (queued, not merged)
 STACKS_SIGNAL = signal.SIGUSR2  # any stage: dump every thread's Python stack (faulthandler)
 STOP_SIGNAL = signal.SIGRTMIN + 1  # any stage: stop (what the launcher sends)
+
+
+STOP_POLL_S = 0.05  # how often a stage waiting to start looks at its stop flag
 
 
 class StopFlag:
@@ -70,9 +74,15 @@ class Control:
         with contextlib.suppress(OSError):
             self.conn.send_bytes(encoder.encode(StageFailed(self.stage, message)))
 
-    def wait_model(self, timeout: float) -> ModelInfo:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"{self.stage}: no model info from the launcher in {timeout} s")
+    def wait_model(self, timeout: float, stop: StopFlag) -> ModelInfo | None:
+        """The executor's model info, relayed by the launcher; None if the stage is stopped
+        first (a failed start: the launcher does not wait out the rest of the timeout)."""
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(min(STOP_POLL_S, max(0.0, deadline - time.monotonic()))):
+            if stop:
+                return None
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.stage}: no model info from the launcher in {timeout} s")
         msg = self.decoder.decode(self.conn.recv_bytes())
         if not isinstance(msg, ModelInfo):
             raise RuntimeError(f"{self.stage}: expected ModelInfo, got {type(msg).__name__}")
