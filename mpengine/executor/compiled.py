@@ -12,12 +12,11 @@ compiled for each count the thread tuner may pick, so its switching compiles not
 As with CUDA graphs on a GPU, only pure-decode steps take this path; prefill and mixed
 steps run eagerly. The model is compiled with dynamic shapes at start-up by two warm-up
 decodes per thread count, of one sequence and of five (a compiled graph treats a size of 1
-apart; from 2 on one graph serves every batch size and context length), which costs 20-40
-s per thread count on two cores.
-Inductor keeps what it compiled in its on-disk cache, so later starts are faster. If
-compilation fails, or a compiled step raises, the executor logs why and runs every step
-eagerly from then on: slower, never wrong (a step that failed half-way is run again
-eagerly; its cache writes are the same).
+apart; from 2 on one graph serves every batch size and context length), which costs
+20-40 s per thread count on two cores. Inductor keeps what it compiled in its on-disk
+cache, so later starts are faster. If compilation fails, or a compiled step raises, the
+executor logs why and runs every step eagerly from then on: slower, never wrong (a step
+that failed half-way is run again eagerly; its cache writes are the same).
 """
 
 from __future__ import annotations
