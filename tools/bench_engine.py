@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mpengine
+from mpengine.executor.attention import BACKENDS
 from mpengine.protocol import (
     Array,
     Feedback,
@@ -116,9 +117,6 @@ def workload(model: str, args: argparse.Namespace) -> Workload:
     return Workload(prompts, lengths)
 
 
-ATTENTION_BACKENDS = ("torch", "native", "triton")
-
-
 def row_spec(name: str) -> tuple[str, int | None, dict[str, object]]:
     """``"processes-depth1:torch+compile@2"`` -> ``("processes-depth1", 2, {engine config})``;
     no ``@``: no thread count; no ``:``: the engine's default attention backend; ``+compile``:
@@ -143,11 +141,11 @@ def row_name(text: str) -> str:
         or rest
         or (threads and not (threads.isdigit() and int(threads) > 0))
         or ((backend or compiled) and base == HF_ROW)
-        or (backend and backend not in ATTENTION_BACKENDS)
+        or (backend and backend not in BACKENDS)
     ):
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected one of {', '.join(ROWS)}, optionally followed by :BACKEND "
-            f"(engines: {', '.join(ATTENTION_BACKENDS)}), +compile (engines) and @THREADS"
+            f"(engines: {', '.join(BACKENDS)}), +compile (engines) and @THREADS"
         )
     return text
 
@@ -424,7 +422,7 @@ def main() -> None:
         nargs="+",
         default=ROWS,
         type=row_name,
-        metavar="RUNTIME[@THREADS]",
+        metavar="RUNTIME[:BACKEND][+compile][@THREADS]",
         help=f"rows, of {', '.join(ROWS)}; :BACKEND gives an engine that attention backend, "
         "+compile compiled decode steps, @N N torch threads",
     )

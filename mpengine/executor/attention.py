@@ -25,6 +25,7 @@ sequences or lengths). Backends, chosen by device type (:func:`default_backend`)
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,14 +42,38 @@ Backend = Literal["torch", "native", "triton"]
 BACKENDS: tuple[Backend, ...] = ("torch", "native", "triton")
 
 
-def default_backend(device: torch.device, cache: torch.Tensor, num_heads: int) -> Backend:
-    """Triton on a GPU; on the CPU native where its kernels build and take the model's
-    ``cache`` (a layer's, or one of its shape and dtype) and query heads, else torch (the
-    Triton kernels only run interpreted on a CPU)."""
-    if device.type == "cuda":
+def choose_backend(
+    requested: Backend | None, device: torch.device, cache: torch.Tensor, num_heads: int
+) -> Backend:
+    """``requested``, checked, or the device's default: triton on a GPU; on the CPU native
+    where its kernels build and take the model's ``cache`` (a layer's, or one of its shape
+    and dtype) and query heads, else torch. The Triton kernels only run on a CPU under
+    their interpreter (``TRITON_INTERPRET=1``, for tests)."""
+    if requested is not None and requested not in BACKENDS:
+        raise ValueError(f"attention backend {requested!r} is not one of {BACKENDS}")
+    if requested is None and device.type == "cuda":
         return "triton"
-    lib = native_attention.kernels()
-    return "native" if lib is not None and lib.supports(cache, num_heads) else "torch"
+    lib = native_attention.kernels() if device.type == "cpu" else None
+    if requested is None:
+        return "native" if lib is not None and lib.supports(cache, num_heads) else "torch"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if requested == "triton" and device.type != "cuda" and not interpreted:
+        raise ValueError(
+            "triton attention needs a CUDA device (on the CPU its kernels only run under the "
+            "interpreter, TRITON_INTERPRET=1, for tests)"
+        )
+    if requested == "native":
+        if lib is None:
+            raise ValueError("native attention needs its kernels, built with a C compiler")
+        if not lib.supports(cache, num_heads):
+            _, kv_heads, _, block_size, head_dim = cache.shape
+            raise ValueError(
+                f"native attention takes float32 CPU caches, head_dim <= {lib.max_head_dim}, "
+                f"block_size <= {lib.max_block_size} and at most {lib.max_group} query heads "
+                f"per KV head, not {device} {cache.dtype}, head_dim {head_dim}, block_size "
+                f"{block_size}, {num_heads} heads over {kv_heads}"
+            )
+    return requested
 
 
 @dataclass(slots=True)

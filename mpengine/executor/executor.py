@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from typing import TYPE_CHECKING
 
@@ -24,8 +23,7 @@ import torch
 
 from mpengine.config import EngineConfig
 from mpengine.envs import InjectedFault, fault_seqs, fault_steps
-from mpengine.executor import native_attention
-from mpengine.executor.attention import BACKENDS, METADATA_KWARG, Backend, default_backend
+from mpengine.executor.attention import METADATA_KWARG, Backend, choose_backend
 from mpengine.executor.compiled import CompiledDecode
 from mpengine.executor.encoder import Encoder
 from mpengine.executor.input_batch import InputBatch, StepInputs
@@ -71,8 +69,6 @@ class Executor:
     def __init__(self, config: EngineConfig, attention_backend: Backend | None = None) -> None:
         if attention_backend is None and config.attention_backend != "auto":
             attention_backend = config.attention_backend
-        if attention_backend is not None and attention_backend not in BACKENDS:
-            raise ValueError(f"attention backend {attention_backend!r} is not one of {BACKENDS}")
         torch.set_num_threads(config.max_threads)
         self.config = config
         memory = _gpu_memory_start(config)
@@ -92,25 +88,9 @@ class Executor:
             dtype=spec.dtype,
             device=self.device,
         )
-        num_heads = self.loaded.num_heads
-        self.backend: Backend = attention_backend or default_backend(self.device, like, num_heads)
-        if self.backend == "triton" and self.device.type != "cuda" and not _triton_interpreted():
-            raise ValueError(
-                "triton attention needs a CUDA device (on the CPU its kernels only run under "
-                "the interpreter, TRITON_INTERPRET=1, for tests)"
-            )
-        if self.backend == "native":
-            lib = native_attention.kernels()
-            if lib is None:
-                raise ValueError("native attention needs its kernels, built with a C compiler")
-            if not lib.supports(like, num_heads):
-                raise ValueError(
-                    f"native attention takes float32 CPU caches, head_dim <= {lib.max_head_dim}"
-                    f", block_size <= {lib.max_block_size} and at most {lib.max_group} query "
-                    f"heads per KV head, not {self.device} {spec.dtype}, head_dim "
-                    f"{spec.head_dim}, block_size {spec.block_size}, {num_heads} heads over "
-                    f"{spec.num_kv_heads}"
-                )
+        self.backend: Backend = choose_backend(
+            attention_backend, self.device, like, self.loaded.num_heads
+        )
         if self.loaded.is_encoder:
             self.num_blocks = 0  # whole prompts per step: nothing to keep between steps
         elif self.device.type == "cuda" and config.num_gpu_blocks_override is None:
@@ -157,11 +137,12 @@ class Executor:
             else:
                 logger.warning(
                     "compile_decode ignored: it compiles the decode steps of a generating "
-                    "model without pooling on native attention (here %s attention%s)",
+                    "model without pooling on native attention (here %s attention, "
+                    "generating %s, pooling %s)",
                     self.backend,
-                    ", a pooling model" if self.pooler is not None or self.loaded.is_encoder
-                    else "",
-                )  # fmt: skip
+                    self.loaded.can_generate,
+                    self.loaded.pooling is not None,
+                )
         self.encoder: Encoder | None = None
         if self.loaded.is_encoder:
             self.encoder = Encoder(self.model, self.device, self.loaded.pooling.hidden_size)
@@ -659,7 +640,3 @@ def _gpu_memory_start(config: EngineConfig) -> MemoryStart | None:
     from mpengine.executor.gpu_memory import MemoryStart
 
     return MemoryStart.take()
-
-
-def _triton_interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"

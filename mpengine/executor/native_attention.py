@@ -63,20 +63,18 @@ class Kernels:
         self.max_head_dim = lib.mpengine_max_head_dim()
         self.max_block_size = lib.mpengine_max_block_size()
 
-    def supports(self, cache: torch.Tensor, num_heads: int | None = None) -> bool:
+    def supports(self, cache: torch.Tensor, num_heads: int) -> bool:
         """Whether the kernels handle this layer cache ``[2, kv_heads, blocks, block_size,
-        head_dim]`` (and ``num_heads`` query heads, when known)."""
+        head_dim]`` and ``num_heads`` query heads."""
         _, kv_heads, _, block_size, head_dim = cache.shape
-        group_ok = num_heads is None or (
-            num_heads % kv_heads == 0 and num_heads // kv_heads <= self.max_group
-        )
         return (
             cache.device.type == "cpu"
             and cache.dtype == torch.float32
             and cache.stride(-1) == 1
             and head_dim <= self.max_head_dim
             and block_size <= self.max_block_size
-            and group_ok
+            and num_heads % kv_heads == 0
+            and num_heads // kv_heads <= self.max_group
         )
 
 

@@ -131,13 +131,12 @@ def plan_step(
 ) -> TorchPlan:
     """Index tensors and masks of both kinds of queries, built once per step; ``cache`` is
     any layer's cache (they share shape, dtype and device). With ``native`` kernels (the
-    native backend, for a cache they support), decodes and cache writes run in C."""
+    native backend; the caller checked that they take this cache), decodes and cache
+    writes run in C."""
     is_decode = layout.num_tokens == 1
     first_token = np.cumsum(layout.num_tokens) - layout.num_tokens
     decode: DecodePlan | NativeDecodePlan | None = None
     prefill = None
-    if native is not None and not native.supports(cache):
-        native = None
     if is_decode.any():
         members = np.flatnonzero(is_decode)
         if native is not None:
