@@ -182,7 +182,7 @@ def kernels() -> native_attention.Kernels:
 
 @pytest.mark.parametrize(
     ("group", "head_dim", "block_size"),
-    [(1, 32, 16), (2, 64, 16), (4, 80, 5), (8, 128, 32), (16, 96, 128)],
+    [(1, 32, 16), (2, 64, 16), (4, 80, 5), (8, 128, 32), (16, 96, 128), (2, 40, 16)],
 )
 @pytest.mark.parametrize("case", range(len(RAGGED)))
 def test_native_backend_matches_reference(
@@ -197,6 +197,25 @@ def test_native_backend_matches_reference(
     torch.testing.assert_close(
         run_torch(batch, native=kernels).double(), reference(batch), atol=TOLERANCE, rtol=TOLERANCE
     )
+
+
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(2, 32, 16), (4, 64, 32), (3, 8, 5)])
+def test_native_decode_ignores_rows_past_the_context(
+    kernels: native_attention.Kernels, group: int, head_dim: int, block_size: int
+) -> None:
+    """Scores come 16 keys at a time, reading a block's rows past the context too: NaN
+    there (and in blocks nobody owns) must not reach any output."""
+    starts = [0, 5, 15, 16, 31, 47, 100]
+    batch = make_batch(starts, [1] * len(starts), 2, group, head_dim, block_size, seed=3)
+    flat = batch.cache.view(2, 2, -1, head_dim)
+    live = np.zeros(flat.shape[2], bool)
+    for start, row in zip(starts, batch.layout.block_table, strict=True):
+        pos = np.arange(start)  # the step writes position ``start`` itself
+        live[row[pos // block_size].astype(np.int64) * block_size + pos % block_size] = True
+    flat[:, :, torch.from_numpy(~live)] = float("nan")
+    out = run_torch(batch, native=kernels)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), reference(batch), atol=TOLERANCE, rtol=TOLERANCE)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
