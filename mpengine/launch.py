@@ -81,7 +81,7 @@ STAGE_ENTRY = (
     "import sys\n"
     "if sys.path and sys.path[0] == '':\n"
     "    del sys.path[0]\n"
-    "from mpengine.runtime.stage import main\n"
+    "from mpengine.runtime.entry import main\n"
     "main()\n"
 )
 

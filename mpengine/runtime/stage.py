@@ -1,19 +1,16 @@
-"""The entry point of every stage process: title, signals, logging, start-up handshake.
+"""What every stage process shares: its stop flag, its control pipe to the launcher
+(start-up handshake), signals and logging. ``entry.py`` runs a stage with them.
 
-The launcher runs ``main()`` in a fresh interpreter (``python -c``, with the caller's cwd
-removed from ``sys.path`` first, see ``launch.STAGE_ENTRY``) and sends it the resolved
-config and its wiring as msgpack bytes over one end of a socketpair. The stage answers
-``StageReady`` (or ``StageFailed`` with the reason) when it can serve; an address in use
-says so plainly. Stages that need the model's facts (block count, tokenizer) wait for a
-``ModelInfo`` the launcher relays from the executor. A stage is SIGKILLed when the launcher
-dies (``PR_SET_PDEATHSIG``).
+A stage answers ``StageReady`` (or ``StageFailed`` with the reason) when it can serve.
+Stages that need the model's facts (block count, tokenizer) wait for a ``ModelInfo`` the
+launcher relays from the executor. A stage is SIGKILLed when the launcher dies
+(``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import faulthandler
 import logging
 import os
@@ -21,17 +18,9 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from multiprocessing.connection import Connection
 
-import msgspec
-import setproctitle
-import zmq
-
-from mpengine.config import EngineConfig
-from mpengine.protocol import ModelInfo, StageFailed, StageReady, Wiring, control_decoder, encoder
-
-logger = logging.getLogger("mpengine.runtime.stage")  # also when run as __main__
+from mpengine.protocol import ModelInfo, StageFailed, StageReady, control_decoder, encoder
 
 PR_SET_PDEATHSIG = 1
 # What the launcher and ``mpengine stacks`` send a stage (see ``Engine.drain``).
@@ -89,7 +78,7 @@ class Control:
         return msg
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Ask the kernel to SIGKILL this stage if the launcher dies first. "The launcher" is the
     thread that forked this process, hence the launcher's long-lived spawner thread."""
     with contextlib.suppress(OSError, AttributeError):
@@ -139,65 +128,3 @@ def install_signals(stage: str, stop: StopFlag, runtime_dir: str | None, parent_
     if runtime_dir:
         stacks = open(os.path.join(runtime_dir, f"stacks-{stage}.txt"), "a")  # noqa: SIM115
         faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
-
-
-def run_stage(
-    stage: str, conn: Connection, parent_pid: int, runtime_dir: str | None = None
-) -> None:
-    """The body of every stage process; the launcher sends the config and wiring first."""
-    _die_with_parent(parent_pid)
-    setproctitle.setproctitle(f"mpengine: {stage}")
-    setproctitle.setthreadtitle(f"mpe:{stage}")  # /proc/PID/comm holds 15 characters
-    config_bytes, wiring_bytes = conn.recv_bytes(), conn.recv_bytes()
-    config = EngineConfig.decode(config_bytes)
-    wiring = msgspec.msgpack.decode(wiring_bytes, type=Wiring)
-    configure_logging(config.log_level, stage)
-    stop = StopFlag()
-    install_signals(stage, stop, runtime_dir, parent_pid)
-    control = Control(stage, conn)
-    try:
-        match stage:
-            case "scheduler":
-                from mpengine.runtime.processes import run_scheduler as run
-            case "executor":
-                from mpengine.runtime.processes import run_executor as run
-            case "output":
-                from mpengine.runtime.processes import run_output as run
-            case "engine" if config.runtime == "threads":
-                from mpengine.runtime.threads import run_threads as run
-            case "engine":
-                from mpengine.runtime.serial import run_serial as run
-            case _:
-                raise ValueError(f"unknown stage {stage!r}")
-        run(config, wiring, control, stop)
-    except BaseException as exc:
-        if not control.started and isinstance(exc, ValueError | OSError | zmq.ZMQError):
-            # What a user gave that cannot work (an unknown model, a missing file, a cache
-            # too small, an address in use): the launcher reports it in one line; the
-            # traceback is for --log-level DEBUG.
-            logger.debug("%s cannot start:\n%s", stage, traceback.format_exc())
-        else:
-            logger.error("%s stopped by an error:\n%s", stage, traceback.format_exc())
-        control.failed(failure_message(exc))
-        raise SystemExit(1) from None
-    logger.info("%s stopped", stage)
-
-
-def failure_message(exc: BaseException) -> str:
-    """What the launcher reports for a stage that failed to start."""
-    message = f"{type(exc).__name__}: {exc}"
-    if getattr(exc, "errno", None) == errno.EADDRINUSE:  # OSError or zmq.ZMQError
-        # The usual cause: a second engine launched on the address of a running one.
-        return f"address in use (is another engine or program bound to it?): {message}"
-    return message
-
-
-def main() -> None:
-    """``python -c ... STAGE FD PPID [RUNTIME_DIR]``: run one stage (see
-    ``launch.StageProcess``)."""
-    runtime_dir = sys.argv[4] if len(sys.argv) > 4 else None
-    run_stage(sys.argv[1], Connection(int(sys.argv[2])), int(sys.argv[3]), runtime_dir)
-
-
-if __name__ == "__main__":
-    main()

@@ -29,7 +29,7 @@ from mpengine.launch import (
     private_dir,
     sweep_stale_runtime_dirs,
 )
-from mpengine.runtime.stage import failure_message
+from mpengine.runtime.entry import GOMP_SPINCOUNT, failure_message, openmp_defaults
 from mpengine.testing import tiny
 from shm.segment import pid_namespace
 
@@ -197,13 +197,13 @@ def test_runtime_dir_sweep_logs_and_goes_on(
 
 
 def test_stage_entry_drops_the_cwd_before_any_import(tmp_path: Path) -> None:
-    """STAGE_ENTRY with a stand-in ``mpengine.runtime.stage`` found through PYTHONPATH: a
+    """STAGE_ENTRY with a stand-in ``mpengine.runtime.entry`` found through PYTHONPATH: a
     ``setproctitle.py`` in the cwd must not shadow the real one."""
     fake = tmp_path / "fake" / "mpengine" / "runtime"
     fake.mkdir(parents=True)
     (fake.parent / "__init__.py").write_text("")
     (fake / "__init__.py").write_text("")
-    (fake / "stage.py").write_text(
+    (fake / "entry.py").write_text(
         "import sys\ndef main():\n    import setproctitle\n    print(sys.argv[1:])\n"
     )
     cwd = tmp_path / "cwd"
@@ -219,6 +219,30 @@ def test_stage_entry_drops_the_cwd_before_any_import(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['scheduler', '7', '1']"
+
+
+def test_stage_entry_sets_openmp_spin_before_torch_loads() -> None:
+    """libgomp reads its environment once, when torch loads it: the stage entry must not
+    import torch itself."""
+    code = "import sys, mpengine.runtime.entry; print('torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "False"
+
+
+def test_openmp_workers_spin_briefly_unless_the_user_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    openmp_defaults()
+    assert os.environ["GOMP_SPINCOUNT"] == GOMP_SPINCOUNT
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5")
+    openmp_defaults()
+    assert os.environ["GOMP_SPINCOUNT"] == "5"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    openmp_defaults()
+    assert "GOMP_SPINCOUNT" not in os.environ
 
 
 def test_stage_env_keeps_pythonpath_but_no_empty_entry(monkeypatch: pytest.MonkeyPatch) -> None:
