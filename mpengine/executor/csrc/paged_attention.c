@@ -11,9 +11,9 @@
  * heads share every key and value load, with a softmax kept online across blocks (running
  * maximum and sum, accumulator rescaled once per block). Work items are split across the
  * OpenMP threads that torch uses (libgomp is loaded by torch; this file links the same).
- * A work item is inlined into copies with constant query heads per kv head and head_dim
- * for the usual shapes, so the compiler unrolls their loops; where head_dim and the block
- * size are multiples of 16, scores come 16 keys at a time (`scores16`).
+ * A work item is inlined into copies with a constant head_dim for the usual sizes, so the
+ * compiler unrolls their loops; where head_dim and the block size are multiples of 16,
+ * scores come 16 keys at a time (`scores16`).
  */
 #include <stdint.h>
 #include <string.h>
@@ -123,8 +123,9 @@ void mpengine_store_kv_f32(const float *key, int64_t k_tok, int64_t k_head, cons
 }
 
 /* One work item: decode i's query heads g * group ... (g + 1) * group - 1 against kv head g.
- * Inlined into copies with constant `group` and `dim` for the common shapes, where the
- * compiler unrolls the head_dim loops into a few vector operations. */
+ * Inlined into copies with a constant `dim` for the common head sizes, where the compiler
+ * unrolls the head_dim loops into a few vector operations (specialising the query heads
+ * per kv head too gained under 7 % more, for a build four times as long). */
 static inline __attribute__((always_inline)) void decode_item(
     const float *query, int64_t q_tok, int64_t q_head, int64_t row, const float *cache,
     int64_t c_kv, int64_t c_head, int64_t c_block, int64_t c_pos, const int32_t *table,
@@ -208,16 +209,9 @@ static inline __attribute__((always_inline)) void decode_item(
     }
 }
 
-#define ITEM(GROUP, DIM)                                                                      \
+#define ITEM(DIM)                                                                             \
     decode_item(query, q_tok, q_head, row, cache, c_kv, c_head, c_block, c_pos, table, ctx, g, \
-                GROUP, DIM, bs, scale, out, o_tok, o_head)
-#define DIMS(GROUP)                                                                           \
-    switch (dim) {                                                                            \
-    case 32: ITEM(GROUP, 32); continue;                                                       \
-    case 64: ITEM(GROUP, 64); continue;                                                       \
-    case 128: ITEM(GROUP, 128); continue;                                                     \
-    default: break;                                                                           \
-    }
+                group, DIM, bs, scale, out, o_tok, o_head)
 
 /* Attention of `num_seqs` decodes (one query each). Decode i reads query row rows[i]
  * (rows == NULL: row i), attends to its first context[i] keys, found through
@@ -237,13 +231,11 @@ void mpengine_decode_attention_f32(const float *query, int64_t q_tok, int64_t q_
         const int64_t i = item / num_kv_heads, g = item % num_kv_heads;
         const int64_t row = rows ? rows[i] : i, ctx = context[i];
         const int32_t *table = block_table + i * bt_stride;
-        switch (group) {
-        case 1: DIMS(1); break;
-        case 2: DIMS(2); break;
-        case 4: DIMS(4); break;
-        case 8: DIMS(8); break;
-        default: break;
+        switch (dim) {
+        case 32: ITEM(32); break;
+        case 64: ITEM(64); break;
+        case 128: ITEM(128); break;
+        default: ITEM(dim); break;
         }
-        ITEM(group, dim); /* any other shape */
     }
 }
