@@ -29,6 +29,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -249,18 +250,25 @@ def _decode(
 # cost ~17 us more per call: a step calls them twice per layer). Eager calls skip the
 # operator dispatch altogether.
 _LIBRARY = torch.library.Library("mpengine", "DEF")
-_LIBRARY.define(
-    "native_store_kv(Tensor(a!) cache, Tensor slot_mapping, Tensor key, Tensor value) -> ()"
+
+
+def _operator(schema: str, kernel: Callable[..., None]) -> torch._ops.OpOverload:
+    name = schema.split("(", 1)[0]
+    _LIBRARY.define(schema)
+    _LIBRARY.impl(name, kernel, "CPU")
+    torch.library.register_fake(f"mpengine::{name}", lambda *args: None, lib=_LIBRARY)
+    return getattr(torch.ops.mpengine, name).default
+
+
+_store_kv_op = _operator(
+    "native_store_kv(Tensor(a!) cache, Tensor slot_mapping, Tensor key, Tensor value) -> ()",
+    _store_kv,
 )
-_LIBRARY.define(
+_decode_op = _operator(
     "native_decode(Tensor(a!) out, Tensor queries, Tensor cache, Tensor? rows, "
-    "Tensor block_table, Tensor contexts, float scale) -> ()"
+    "Tensor block_table, Tensor contexts, float scale) -> ()",
+    _decode,
 )
-for _name, _kernel in (("native_store_kv", _store_kv), ("native_decode", _decode)):
-    _LIBRARY.impl(_name, _kernel, "CPU")
-    torch.library.register_fake(f"mpengine::{_name}", lambda *args: None, lib=_LIBRARY)
-_store_kv_op = torch.ops.mpengine.native_store_kv.default
-_decode_op = torch.ops.mpengine.native_decode.default
 
 
 def _unit_last(tensor: torch.Tensor) -> torch.Tensor:
