@@ -15,6 +15,7 @@ from mpengine.executor.sampler import (
     apply_penalties,
     apply_top_k,
     apply_top_k_top_p,
+    argmax_rows,
     draw_seed,
     token_logprobs,
 )
@@ -350,3 +351,20 @@ def test_started_slots_reach_the_device_mirror() -> None:
     assert (
         kept.token_ids.tolist() == Sampler(torch.device("cuda"), 3).sample(x, r).token_ids.tolist()
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_argmax_rows_is_torch_argmax(dtype: torch.dtype) -> None:
+    """The CPU path (numpy) picks what torch's argmax picks: the first of tied maxima, the
+    first NaN, the first of tied infinities, index 0 of an all -inf row; strided rows too."""
+    x = torch.randn(40, 300, generator=torch.Generator().manual_seed(0))
+    x[3, 10] = x[3, 20] = float("nan")
+    x[4] = 1.0
+    x[5, 7] = x[5, 9] = float("inf")
+    x[6] = -float("inf")
+    x[7, 100] = x[7, 200] = x[7].max() + 1
+    x = x.to(dtype)
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(x)[3:8].tolist() == [10, 0, 7, 0, 100]
+    strided = x.t().contiguous().t()
+    assert torch.equal(argmax_rows(strided), x.argmax(dim=-1))
