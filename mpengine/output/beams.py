@@ -77,7 +77,7 @@ class BeamGroup:
 
         # Finished hypotheses: candidates among the first `width` that stopped.
         just_finished = stops & (np.arange(k) < width)
-        final = top_scores / np.float32((self.length + 1) ** self.length_penalty)
+        final = _normalised(top_scores, self.length + 1, self.length_penalty)
         if self.is_finished.all() and self.early_stopping is True:
             final = final + NEG
         if not self.improvable:
@@ -112,7 +112,7 @@ class BeamGroup:
             best_length = self.max_tokens
         else:
             best_length = self.length
-        best_running = self.scores[0] / np.float32(best_length**self.length_penalty)
+        best_running = _normalised(self.scores[0], best_length, self.length_penalty)
         worst = np.where(self.is_finished, self.finished_scores.min(), NEG)
         self.improvable = self.improvable and bool((best_running > worst).any())
 
@@ -122,3 +122,12 @@ class BeamGroup:
             Hypothesis(self.finished_tokens[i, : self.finished_lengths[i]], float(score))
             for i, score in enumerate(self.finished_scores[:n])
         ]
+
+
+def _normalised(scores: np.ndarray, length: int, penalty: float) -> np.ndarray:
+    """``scores / length ** penalty`` (transformers' ``length_penalty``) in float32. An
+    extreme penalty takes the divisor out of float32's range: the scores then become 0 (all
+    tied, kept in rank order) or are held at ``NEG / 2``, above the empty slots' ``NEG``;
+    never an error."""
+    with np.errstate(over="ignore", under="ignore", divide="ignore", invalid="ignore"):
+        return np.fmax(scores / np.float32(np.power(np.float64(length), penalty)), NEG / 2)
