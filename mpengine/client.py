@@ -79,6 +79,7 @@ from mpengine.protocol import (
     TokenizerFile,
     TokenizerQuery,
     encoder,
+    lone_surrogate,
     output_reply_decoder,
     scheduler_reply_decoder,
 )
@@ -296,8 +297,14 @@ INLINE_TOKENIZE_CHARS = 8192
 def encode_texts(
     tokenizer: Tokenizer, texts: Sequence[str], add_special_tokens: bool = True
 ) -> list[list[int]]:
-    """Token ids of each text, with the GIL released (``encode_batch``)."""
-    encodings = tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+    """Token ids of each text, with the GIL released (``encode_batch``). A text that is not
+    Unicode (a lone UTF-16 surrogate, which JSON can escape) raises ``ValueError``."""
+    try:
+        encodings = tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+    except TypeError:
+        if any(isinstance(text, str) and lone_surrogate(text) for text in texts):
+            raise ValueError("the prompt holds a lone UTF-16 surrogate: not Unicode text") from None
+        raise
     return [encoding.ids for encoding in encodings]
 
 

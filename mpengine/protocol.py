@@ -51,6 +51,12 @@ MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_LOGPROBS = 20
 MAX_N = 64
 INT32_MAX = 2**31 - 1
+# The executor divides float32 logits by the temperature and the repetition penalty: past
+# these bounds a logit overflows to inf (or the divisor to inf or 0), and the draw to NaN.
+# A temperature under GREEDY_TEMPERATURE samples greedily, as in vLLM.
+MAX_TEMPERATURE = 1e6
+MAX_REPETITION_PENALTY = 1e6
+GREEDY_TEMPERATURE = 1e-5
 
 Dtype = Literal["int32", "int64", "float16", "float32", "bool"]
 _ITEMSIZE = {"int32": 4, "int64": 8, "float16": 2, "float32": 4, "bool": 1}
@@ -95,14 +101,15 @@ EMPTY_IDS = Array("int32", (0,), b"")
 class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown_fields=True):
     """How to sample one request (the fields and meanings of vLLM's ``SamplingParams``).
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` disables top-k; ``top_p == 1`` and
-    ``min_p == 0`` disable those. ``seed`` makes a request's samples reproducible whatever
-    else shares its batches. ``logprobs=N`` returns the N most likely tokens at each step
-    (plus the sampled one); ``prompt_logprobs=N`` does the same for prompt positions.
+    ``temperature == 0`` is greedy (any below 1e-5 becomes 0). ``top_k == 0`` disables
+    top-k; ``top_p == 1`` and ``min_p == 0`` disable those. ``seed`` makes a request's samples
+    reproducible whatever else shares its batches. ``logprobs=N`` returns the N most likely
+    tokens at each step (plus the sampled one); ``prompt_logprobs=N`` does the same for
+    prompt positions.
     """
 
     max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] = 16
-    temperature: Annotated[float, Meta(ge=0.0)] = 1.0
+    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Int32 = 0
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
@@ -110,7 +117,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     # Generate best_of samples, return the n with the highest cumulative logprob.
     best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    repetition_penalty: Annotated[
+        float, Meta(ge=1.0 / MAX_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    ] = 1.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     stop: Annotated[
@@ -170,6 +179,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if any(lone_surrogate(s) for s in self.stop if isinstance(s, str)):
+            raise ValueError("stop: a stop string holds a lone UTF-16 surrogate")
         total = sum(map(len, self.stop))
         if total > MAX_STOP_TOTAL_CHARS:
             raise ValueError(
@@ -178,6 +189,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
         for name in ("temperature", "repetition_penalty", "length_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite")
+        if 0.0 < self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         if self.use_beam_search:
             width = self.beam_width or self.n
             if self.n > width:
@@ -193,7 +206,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
             }
             named = [name for name, used in unsupported.items() if used]
             if named:
-                raise ValueError(f"beam search does not support {', '.join(named)}")
+                raise ValueError(f"{named[0]}: beam search does not support {', '.join(named)}")
 
     @property
     def num_samples(self) -> int:
@@ -319,6 +332,18 @@ def _check_numbers(params: msgspec.Struct, ints: tuple[str, ...], floats: tuple[
             continue
         kind = "an integer" if name in ints else "a number"
         raise ValueError(f"{name} ({value!r}) must be {kind}, not {type(value).__name__}")
+
+
+def lone_surrogate(text: str) -> bool:
+    """Whether ``text`` holds a lone UTF-16 surrogate: JSON can escape one (``"\\ud800"``) and
+    Python decodes it, but it is not Unicode text (it has no UTF-8 form)."""
+    if text.isascii():
+        return False
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _is_int32(value: object) -> bool:

@@ -83,7 +83,8 @@ async def create_chat_completion(
             max_tokens, num_top if body.logprobs else None, body.prompt_logprobs
         )
     except (msgspec.ValidationError, ValueError) as exc:
-        raise invalid_value(exc, {"logprobs": "top_logprobs", **body.engine_names()}) from None
+        names = {"logprobs": "top_logprobs", "max_tokens": param, **body.engine_names()}
+        raise invalid_value(exc, names) from None
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(state, [prompt], params, request_id, body.priority)
     view = _View(state, body, model, request_id, prompt, num_top)

@@ -31,10 +31,10 @@ _TYPES = {
 _KIND_STATUS = {"invalid": 400, "unknown": 400, "too_large": 413, "overloaded": 503}
 # Where an error message names the field: msgspec's "... - at `$.temperature`" (the
 # engine's own says "- at `sampling.temperature`" or "- at `pooling.dimensions`"), or a
-# message that starts with the field, "min_tokens (5) > ...", "pooling.dimensions (65) ..."
-# or "prompt_token_ids: ...".
-_AT_FIELD = re.compile(r"- at `(?:\$\.)?(?:sampling\.|pooling\.)?([A-Za-z_]\w*)")
-_LEADING = re.compile(r"^(?:(?:sampling|pooling)\.([a-z_]+)\b|([a-z_]+)(?::| \())")
+# message that starts with the field, "min_tokens (5) > ...", "pooling.dimensions (65) ...",
+# "temperature must ..." or "prompt_token_ids: ..."; a dict's bad key names the dict.
+_AT_FIELD = re.compile(r"- at `(?:key` in `)?(?:\$\.)?(?:sampling\.|pooling\.)?([A-Za-z_]\w*)")
+_LEADING = re.compile(r"^(?:(?:sampling|pooling)\.([a-z_]+)\b|([a-z_]+)(?::| \(| must\b))")
 
 
 class APIError(Exception):

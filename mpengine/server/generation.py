@@ -81,6 +81,7 @@ class Generation:
         self.prompts = prompts
         self.params = params
         self.trackers = [state.metrics.tracker(len(p), params.n) for p in prompts]
+        self.refused = False
         read = state.client.stream if params.streams else self._ranked
         self.streams = [
             read(prompt, params, request_id=f"{request_id}-{index}", priority=priority)
@@ -124,6 +125,7 @@ class Generation:
         except Exception as exc:
             if isinstance(exc, InvalidRequestError):  # refused: it never ran
                 self.trackers[index].on_refused()
+                self.refused = True
             raise from_engine(exc) from None
         self.trackers[index].on_output(delta)
         return delta
@@ -184,7 +186,12 @@ class Generation:
         self.closed = True
         self.state.num_inflight -= 1
         for tracker in self.trackers:
-            tracker.on_abandoned()
+            # Refused as a whole (one prompt was): its prompts that never answered were
+            # most likely refused too (their errors unread), so none counts as aborted.
+            if self.refused and not tracker.answered:
+                tracker.on_refused()
+            else:
+                tracker.on_abandoned()
         for task in self.tasks:
             task.cancel()  # thrown into the stream it reads, whose ``finally`` aborts
         if self.tasks:

@@ -14,18 +14,51 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from mpengine.protocol import PoolingParams, SamplingParams
+from mpengine.protocol import PoolingParams, SamplingParams, lone_surrogate
 
 # -- requests --------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+def unicode_text(value: Any) -> Any:
+    """``value`` (a field's, strings nested in lists and dicts included), refused when a
+    string holds a lone UTF-16 surrogate (``protocol.lone_surrogate``): the tokenizer would
+    fail on it."""
+    if isinstance(value, str):
+        if lone_surrogate(value):
+            raise ValueError("holds a lone UTF-16 surrogate: not Unicode text")
+    elif isinstance(value, list | tuple):
+        if value and not isinstance(value[0], int | float):  # token ids need no look
+            for item in value:
+                unicode_text(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            unicode_text(key)
+            unicode_text(item)
+    return value
+
+
+class RequestModel(BaseModel):
+    """A request body: every string in it must be Unicode text (``unicode_text``)."""
+
+    @field_validator("*")
+    @classmethod
+    def _unicode(cls, value: Any) -> Any:
+        return unicode_text(value)
+
+    @model_validator(mode="after")
+    def _unicode_extra(self) -> RequestModel:
+        for value in (self.model_extra or {}).values():
+            unicode_text(value)
+        return self
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     """Parameters completions and chat completions share."""
 
     model: str | None = None
@@ -135,7 +168,7 @@ class CompletionRequest(SamplingFields):
     prompt_logprobs: int | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     """A chat message; content is text or a list of text parts. Other fields (``name``,
     ``tool_calls``...) are handed to the chat template as they are."""
 
@@ -166,7 +199,7 @@ class ChatCompletionRequest(SamplingFields):
         return super().misuse()
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -177,12 +210,12 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(RequestModel):
     """OpenAI's embeddings request, with vLLM's ``truncate_prompt_tokens``, ``normalize``
     and ``pooling`` (None: the model's default)."""
 

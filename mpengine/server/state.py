@@ -62,6 +62,14 @@ class ServerState:
                 "(max_waiting_requests); send fewer per request",
                 param,
             )
+        total, most = sum(map(len, prompts)), self.info.max_waiting_tokens
+        if most and len(prompts) > 1 and total > most:  # likewise (one prompt always fits)
+            raise APIError(
+                400,
+                f"{total} prompt tokens in one request: the engine queues at most {most} "
+                "(max_waiting_tokens); send fewer per request",
+                param,
+            )
         for index, prompt in enumerate(prompts):
             where = param if len(prompts) == 1 else f"{param}[{index}]"
             if len(prompt) >= limit:

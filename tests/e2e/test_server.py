@@ -298,6 +298,13 @@ def test_beam_search_equals_the_client_library(api: openai.OpenAI, ipc: mpengine
     got = [c.model_extra["token_ids"] for c in sorted(reply.choices, key=lambda c: c.index)]
     assert got == [o.token_ids for o in expected.outputs]
     assert reply.usage.completion_tokens == sum(len(ids) for ids in got) > 0
+    # A length penalty far out of range once killed the output stage (a float overflow).
+    for penalty in (2000.0, -2000.0):
+        extra = {"use_beam_search": True, "length_penalty": penalty, "return_token_ids": True}
+        reply = api.completions.create(
+            model="tiny", prompt=[5, 6, 7, 8], max_tokens=4, n=2, extra_body=extra
+        )
+        assert all(c.model_extra["token_ids"] for c in reply.choices), penalty
     with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
         api.completions.create(
             model="tiny", prompt="a", stream=True, extra_body={"use_beam_search": True}
@@ -593,9 +600,25 @@ def test_bad_parameters_name_the_field(api: openai.OpenAI, server: Served) -> No
         assert error.value.body["type"] == "invalid_request_error"
     status, reply = http(server, "/v1/completions", {"prompt": "x", "temperature": "hot"})
     assert status == 400 and reply["error"]["param"] == "temperature"
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for path, body, field in [
+        ("/v1/completions", {"prompt": "\ud800"}, "prompt"),  # a lone surrogate (was a 500)
+        ("/v1/completions", {"prompt": "x", "stop": "\ud800"}, "stop"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udc00"}]}, "messages"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "use_beam_search": True, "length_penalty": float("nan")},
+            "length_penalty",
+        ),
+        ("/v1/chat/completions", {**chat, "max_completion_tokens": 0}, "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stop": "y"}, "stop"),
+    ]:
+        status, reply = http(server, path, body)
+        assert status == 400 and reply["error"]["param"].startswith(field), (body, reply)
     # The field the request sent, where the engine calls it otherwise; options that need
     # another one refused as vLLM does.
-    chat = {"messages": [{"role": "user", "content": "x"}]}
     for path, body, field in [
         ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
         ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs"),
@@ -690,6 +713,12 @@ def test_overloaded_is_503_and_the_engine_recovers(api: openai.OpenAI, server: S
             )
         assert error.value.status_code == 503
         assert error.value.body["code"] == "overloaded"
+        # Refused prompts of a request of several count in no finish reason: none ran.
+        aborts = ("mpengine:request_success_total", (("finished_reason", "abort"),))
+        before = _metrics(server).get(aborts, 0.0)
+        status, reply = http(server, "/v1/completions", {"prompt": [[1, 2]] * 3, "max_tokens": 2})
+        assert status == 503 and reply["error"]["code"] == "overloaded", reply
+        assert _metrics(server).get(aborts, 0.0) == before
     finally:
         running.close()
         if queued is not None:

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
+from pydantic import ValidationError
 
 from mpengine.errors import EngineDeadError, InvalidRequestError
 from mpengine.metrics import ServerMetrics
 from mpengine.protocol import EngineStats
 from mpengine.server.errors import APIError, field_of, from_engine
 from mpengine.server.health import EngineMonitor
-from mpengine.server.schemas import ChatMessage, CompletionRequest
+from mpengine.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from mpengine.server.state import ServerState
 from mpengine.server.text import TextTools, message_dicts
 from mpengine.testing.tiny import resolve_model
 
@@ -51,6 +54,40 @@ def test_messages_name_their_field() -> None:
     assert field_of("min_tokens (5) > max_tokens (2)") == "min_tokens"
     assert field_of("prompt_token_ids: token id 9 is outside") == "prompt_token_ids"
     assert field_of("the prompt is empty") is None
+    assert field_of("Expected `int` >= 0 - at `key` in `$.logit_bias`") == "logit_bias"
+    assert field_of("temperature must be finite") == "temperature"
+    assert field_of("stop: beam search does not support stop, logprobs") == "stop"
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": "\ud800"}, "prompt"),
+        ({"prompt": ["ok", "\udc00 x"]}, "prompt"),
+        ({"prompt": "a", "stop": ["\ud800"]}, "stop"),
+        ({"prompt": "a", "user": "\ud800"}, "user"),
+    ],
+)
+def test_lone_surrogates_are_refused_by_field(body: dict, field: str) -> None:
+    """JSON can escape a lone UTF-16 surrogate and Python decodes it; the tokenizer cannot
+    take it (that was a 500)."""
+    with pytest.raises(ValidationError) as caught:
+        CompletionRequest.model_validate(json.loads(json.dumps(body)))
+    error = caught.value.errors()[0]
+    assert error["loc"] == (field,) and "surrogate" in error["msg"]
+
+
+def test_lone_surrogates_in_chat_messages_are_refused() -> None:
+    for message in (
+        {"role": "user", "content": "\ud800"},
+        {"role": "\ud800", "content": "x"},
+        {"role": "user", "content": [{"type": "text", "text": "\ud800"}]},
+        {"role": "user", "content": "x", "name": "\ud800"},  # handed to the template as is
+    ):
+        with pytest.raises(ValidationError, match="surrogate"):
+            ChatCompletionRequest.model_validate({"messages": [message]})
+    ok = {"role": "user", "content": "h\u00e9llo \U0001f600"}  # a surrogate pair is text
+    assert ChatCompletionRequest.model_validate({"messages": [ok]}).messages[0].content
 
 
 def test_request_maps_onto_sampling_params() -> None:
@@ -120,3 +157,18 @@ def test_health_is_a_moving_counter_or_nothing_to_do() -> None:
     assert monitor.problem(now=60.0).startswith("draining")
     monitor.dead = "the executor stage died (exit code -9)"
     assert "dead" in monitor.status("tiny")
+
+
+def test_a_request_beyond_the_queue_bounds_is_a_400() -> None:
+    """A request whose prompts together exceed what the engine queues would get a 503
+    "retry later" every time."""
+    info = SimpleNamespace(
+        vocab_size=100, max_model_len=4096, max_waiting_requests=0, max_waiting_tokens=1000
+    )
+    state = SimpleNamespace(info=info)
+    ServerState.check_prompts(state, [[5] * 900], "prompt")  # one prompt: admitted when idle
+    ServerState.check_prompts(state, [[5] * 500, [6] * 500], "prompt")
+    with pytest.raises(APIError) as refused:
+        ServerState.check_prompts(state, [[5] * 600, [6] * 600], "prompt")
+    assert refused.value.status == 400 and refused.value.param == "prompt"
+    assert "max_waiting_tokens" in refused.value.message

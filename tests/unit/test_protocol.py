@@ -116,6 +116,10 @@ def test_array_shape_must_match_data():
         (SamplingParams(n=0), "sampling.n"),
         (SamplingParams(logprobs=100), "sampling.logprobs"),
         (SamplingParams(repetition_penalty=0.0), "sampling.repetition_penalty"),
+        # Past float32's range the executor's division overflows, and the draw is NaN.
+        (SamplingParams(repetition_penalty=1e-300), "sampling.repetition_penalty"),
+        (SamplingParams(repetition_penalty=1e300), "sampling.repetition_penalty"),
+        (SamplingParams(temperature=1e300), "sampling.temperature"),
     ],
 )
 def test_validation_names_the_field(params, field):
@@ -125,6 +129,18 @@ def test_validation_names_the_field(params, field):
     assert field in describe_error(info.value, AddRequest)
     # The request can still be named in the reply.
     assert msgspec.msgpack.decode(frame, type=RequestHeader).request_id == "r"
+
+
+def test_temperatures_below_the_sampling_epsilon_are_greedy():
+    """float32 logits divided by 1e-38 overflow to inf, and the draw picks NaN's token 0."""
+    for tiny in (1e-38, 1e-30, 9e-6):
+        assert SamplingParams(temperature=tiny).temperature == 0.0
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+
+
+def test_stop_strings_must_be_unicode():
+    with pytest.raises(ValueError, match="surrogate"):
+        SamplingParams(stop=["ok", "\ud800"])
 
 
 def test_cross_field_checks():

@@ -230,7 +230,7 @@ def test_logit_bias_is_checked() -> None:
     ]:
         with pytest.raises((ValueError, msgspec.ValidationError), match=message):
             SamplingParams(logit_bias=bad).validate()
-    with pytest.raises(ValueError, match="beam search does not support logit_bias"):
+    with pytest.raises(ValueError, match="logit_bias: beam search does not support logit_bias"):
         SamplingParams(use_beam_search=True, beam_width=2, logit_bias={5: 1.0})
 
 
