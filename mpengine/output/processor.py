@@ -172,16 +172,10 @@ class OutputProcessor:
         failed = result.failed_seq_ids.numpy().tolist()
         for seq_id, error in zip(failed, result.errors, strict=True):
             seq = self._seqs.get(seq_id)
-            if seq is None:
-                continue
-            # A beam fails its whole search: the others would wait for it forever.
-            group = self._open_seqs(seq.request) if seq.request.beams is not None else [seq]
-            for member in group:
-                delta = self._finish(member, "error", None, now, self._drain(member))
-                delta.error = error
-                outputs += self._emit(member, delta)
-                finished_ids.append(member.seq_id)
-                reasons.append("error")
+            if seq is not None:
+                # A beam fails its whole search: the others would wait for it forever.
+                group = self._open_seqs(seq.request) if seq.request.beams is not None else [seq]
+                self._fail(group, error, now, outputs, finished_ids, reasons)
 
         # 3. sampled tokens
         seq_ids = result.seq_ids.numpy().tolist()
@@ -199,37 +193,43 @@ class OutputProcessor:
             if seq is None:  # finished, aborted or dropped: this token is never visible
                 continue
             request = seq.request
-            if request.beams is not None:
-                if logprobs is None or pos not in rows:
-                    continue  # (the executor always returns a beam's continuations)
-                row = rows[pos]
-                top_ids = logprobs.top_ids.numpy()[row]
-                if request.beams.report(seq.index, top_ids, logprobs.top_logprobs.numpy()[row]):
-                    parents, tokens = request.beams.step()
-                    if request.beams.done:
-                        for delta_seq, delta in self._finish_beams(request, now):
-                            finished_ids.append(delta_seq)
-                            reasons.append(delta.finish_reason or "stop")
-                            if delta.index < request.msg.sampling.n:  # type: ignore[union-attr]
-                                outputs.append((request.msg.client_id, delta))
-                    else:
-                        beam_steps.append((request, parents, tokens))
-                continue
-            accepted_seqs.append(seq_id)
-            accepted_tokens.append(token_id)
-            delta = self._on_token(seq, token_id, now)
-            num_top = request.num_logprobs
-            if logprobs is not None and pos in rows:
-                if num_top is not None:
-                    delta.logprobs = logprob_row(logprobs, rows[pos], num_top)
-                if request.ranked is not None:
-                    seq.cumulative_logprob += logprobs.logprobs.numpy()[rows[pos]].item()
-            if request.prompt_logprobs_due and seq.index == 0:
-                self._attach_prompt_logprobs(seq, delta)
-            if delta.finish_reason is not None:
-                finished_ids.append(seq_id)
-                reasons.append(delta.finish_reason)
-            outputs += self._emit(seq, delta)
+            try:
+                if request.beams is not None:
+                    if logprobs is None or pos not in rows:
+                        continue  # (the executor always returns a beam's continuations)
+                    row = rows[pos]
+                    top_ids = logprobs.top_ids.numpy()[row]
+                    if request.beams.report(seq.index, top_ids, logprobs.top_logprobs.numpy()[row]):
+                        parents, tokens = request.beams.step()
+                        if request.beams.done:
+                            for delta_seq, delta in self._finish_beams(request, now):
+                                finished_ids.append(delta_seq)
+                                reasons.append(delta.finish_reason or "stop")
+                                if delta.index < request.msg.sampling.n:  # type: ignore[union-attr]
+                                    outputs.append((request.msg.client_id, delta))
+                        else:
+                            beam_steps.append((request, parents, tokens))
+                    continue
+                accepted_seqs.append(seq_id)
+                accepted_tokens.append(token_id)
+                delta = self._on_token(seq, token_id, now)
+                num_top = request.num_logprobs
+                if logprobs is not None and pos in rows:
+                    if num_top is not None:
+                        delta.logprobs = logprob_row(logprobs, rows[pos], num_top)
+                    if request.ranked is not None:
+                        seq.cumulative_logprob += logprobs.logprobs.numpy()[rows[pos]].item()
+                if request.prompt_logprobs_due and seq.index == 0:
+                    self._attach_prompt_logprobs(seq, delta)
+                if delta.finish_reason is not None:
+                    finished_ids.append(seq_id)
+                    reasons.append(delta.finish_reason)
+                outputs += self._emit(seq, delta)
+            except Exception as exc:  # a bug, or input nothing checked: this request only
+                log.exception("request %s failed in the output processor", request.msg.request_id)
+                error = f"internal error in the output processor: {type(exc).__name__}: {exc}"
+                group = [s for s in self._open_seqs(request) if s.seq_id not in finished_ids]
+                self._fail(group, error, now, outputs, finished_ids, reasons)
 
         # 4. embeddings (the scheduler finished those sequences when it planned them)
         if result.embeddings is not None:
@@ -456,6 +456,23 @@ class OutputProcessor:
             seq = self._seqs[seq_id] = _Sequence(seq_id, index, request, stream)
             if request.ranked is not None:
                 request.ranked.append(seq)
+
+    def _fail(
+        self,
+        seqs: list[_Sequence],
+        error: str,
+        now: float,
+        outputs: list[Output],
+        finished_ids: list[int],
+        reasons: list[FinishReason],
+    ) -> None:
+        """Finish ``seqs`` with ``error``: their final deltas, and the scheduler's news."""
+        for seq in seqs:
+            delta = self._finish(seq, "error", None, now, self._drain(seq))
+            delta.error = error
+            outputs += self._emit(seq, delta)
+            finished_ids.append(seq.seq_id)
+            reasons.append("error")
 
     def _open_seqs(self, request: _Request) -> list[_Sequence]:
         seqs = (self._seqs.get(seq_id) for seq_id in request.msg.seq_ids)

@@ -460,3 +460,30 @@ def test_best_of_holds_every_sample_and_returns_the_n_most_likely(
     assert all(len(d.token_ids) == 2 and d.finish_reason == "length" for d in deltas)
     assert deltas[0].num_generated_tokens == 6 and deltas[0].logprobs is None
     assert proc.num_unfinished == 0
+
+
+def test_an_error_processing_one_request_fails_that_request_only(
+    proc: OutputProcessor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception in the output stage stopped the engine: now it fails its request, with
+    the error, and the others of the step go on."""
+    proc.announce(new("a", [1]))
+    proc.announce(new("b", [2]))
+    original = proc._on_token
+
+    def on_token(seq, token_id, now):
+        if seq.request.msg.request_id == "a":
+            raise OverflowError("boom")
+        return original(seq, token_id, now)
+
+    monkeypatch.setattr(proc, "_on_token", on_token)
+    feedback, out = proc.process(result(0, [(1, 40), (2, 41)]))
+    failed = [d for _, d in out if d.request_id == "a"]
+    assert [(d.finish_reason, d.error) for d in failed] == [
+        ("error", "internal error in the output processor: OverflowError: boom")
+    ]
+    assert [d.token_ids.numpy().tolist() for _, d in out if d.request_id == "b"] == [[41]]
+    assert feedback.finished_seq_ids == [1] and feedback.finish_reasons == ["error"]
+    monkeypatch.setattr(proc, "_on_token", original)
+    _, out = proc.process(result(1, [(1, 42), (2, 43)]))  # seq 1's token is never seen
+    assert [d.request_id for _, d in out] == ["b"]
