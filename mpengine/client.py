@@ -25,7 +25,8 @@ How it is built, bottom up:
   engine death, or the client object garbage-collected) it aborts what is pending, in
   frames of at most ``ABORT_CHUNK_BYTES``, and closes its own sockets.
 - ``Client`` / ``AsyncClient``: the public API over one connection; they share everything
-  but the waiting (``_SyncRequest`` blocks on a queue, ``_AsyncRequest`` awaits one).
+  but the waiting (``_SyncRequest`` blocks on a queue, ``_AsyncRequest`` awaits one; the
+  requests of a batch call share one, ``_BatchRequest``, so that any refusal raises at once).
 
 Every client of a process uses one ZMQ context that is never terminated, so no garbage
 collection or interpreter exit can block on it; sockets are closed by the thread that owns
@@ -956,6 +957,48 @@ class _SyncRequest(_Request):
         return self.assembly.output
 
 
+class _BatchRequest(_Request):
+    """A request of a batch call: its deltas go, as ``(request, delta)``, to the batch's
+    one queue through ``put``."""
+
+    def __init__(self, conn: _Connection, request: AddRequest, put: Sink) -> None:
+        self.put = put
+        super().__init__(conn, request, self._put)
+
+    def _put(self, item: OutputDelta | BaseException) -> None:
+        self.put((self, item))
+
+
+def _wait_batch(
+    events: queue.SimpleQueue, waited: Sequence[_BatchRequest], deadline: _Deadline
+) -> None:
+    """Take a batch's deltas, in arrival order, until every request of ``waited`` has
+    finished: the first refused or failed one raises at once, whichever it is, not once
+    those before it are done."""
+    left = {id(r) for r in waited if not r.finished}
+    while left:
+        try:
+            request, item = events.get(timeout=deadline.remaining())
+        except queue.Empty:
+            raise deadline.error(f"{len(left)} requests aborted: not finished") from None
+        request._take(item)
+        if request.finished:
+            left.discard(id(request))
+
+
+async def _await_batch(
+    events: asyncio.Queue, waited: Sequence[_BatchRequest], deadline: _Deadline
+) -> None:
+    """``_wait_batch`` on an event loop."""
+    left = {id(r) for r in waited if not r.finished}
+    while left:
+        what = f"{len(left)} requests aborted: not finished"
+        request, item = await _within(events.get(), deadline, what)
+        request._take(item)
+        if request.finished:
+            left.discard(id(request))
+
+
 class _AsyncRequest(_Request):
     def __init__(self, conn: _Connection, request: AddRequest) -> None:
         self.items: asyncio.Queue = asyncio.Queue()
@@ -1118,10 +1161,16 @@ class _ClientBase:
         ids = self.tokenize(prompt) if isinstance(prompt, str) else prompt
         # Truncated here too, so that the output's prompt_token_ids are what ran.
         ids = params.truncated(ids, self.info.max_model_len)
-        request_id = request_id or f"{self.client_id}-{next(self._ids)}"
+        request_id = self._request_id(request_id)
         return AddRequest(
             request_id, token_array(ids), params, arrival_time=time.time(), priority=priority
         )
+
+    def _request_id(self, request_id: str | None) -> str:
+        """``request_id``, or a fresh one of this client's when None (or empty)."""
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, not {type(request_id).__name__}")
+        return request_id or f"{self.client_id}-{next(self._ids)}"
 
     def _embed_request(
         self,
@@ -1139,7 +1188,7 @@ class _ClientBase:
             if limit == -1:
                 limit = self.info.max_model_len
             prompt = self.tokenize(prompt, max_length=limit)
-        request_id = request_id or f"{self.client_id}-{next(self._ids)}"
+        request_id = self._request_id(request_id)
         return AddRequest(
             request_id,
             token_array(prompt),
@@ -1276,26 +1325,26 @@ class Client(_ClientBase):
         request_ids: Sequence[str | None] | None,
         timeout: float | None,
         priorities: list[int],
-    ) -> list[_SyncRequest]:
+    ) -> list[_BatchRequest]:
         """Submit ``make(prompt, params, request id, priority)`` for every prompt, wait for
         all of them to finish (one deadline for all); on any error or the deadline abort the
         unfinished."""
         ids = request_ids or [None] * len(prompts)
         _check_counts(prompts, params, ids)
         deadline = _Deadline(timeout)
-        requests: list[_SyncRequest] = []
+        requests: list[_BatchRequest] = []
+        events: queue.SimpleQueue = queue.SimpleQueue()
         window, done = _Window(self.info), 0
         try:
             for prompt, p, rid, prio in zip(prompts, params, ids, priorities, strict=True):
                 request = make(prompt, p, rid, prio)
                 while not window.admits(request):  # wait for the oldest in flight
-                    requests[done].result(deadline)
+                    _wait_batch(events, requests[done : done + 1], deadline)
                     window.pop_oldest()
                     done += 1
-                requests.append(_SyncRequest(self._conn, request))
+                requests.append(_BatchRequest(self._conn, request, events.put))
                 window.add(request)
-            for r in requests[done:]:
-                r.result(deadline)
+            _wait_batch(events, requests[done:], deadline)
             return requests
         finally:
             for r in requests:
@@ -1400,7 +1449,9 @@ class AsyncClient(_ClientBase):
         _check_counts(prompts, params, ids)
         priorities = _priorities(priority, len(prompts))
         deadline = _Deadline(timeout)
-        requests: list[_AsyncRequest] = []
+        requests: list[_BatchRequest] = []
+        events: asyncio.Queue = asyncio.Queue()
+        put = _threadsafe_put(asyncio.get_running_loop(), events)
         window, done = _Window(self.info), 0
         try:
             if any(isinstance(prompt, str) for prompt in prompts):
@@ -1414,13 +1465,12 @@ class AsyncClient(_ClientBase):
             )
             for request in made:
                 while not window.admits(request):  # wait for the oldest in flight
-                    await requests[done].result(deadline)
+                    await _await_batch(events, requests[done : done + 1], deadline)
                     window.pop_oldest()
                     done += 1
-                requests.append(_AsyncRequest(self._conn, request))
+                requests.append(_BatchRequest(self._conn, request, put))
                 window.add(request)
-            for r in requests[done:]:
-                await r.result(deadline)
+            await _await_batch(events, requests[done:], deadline)
             return [r.assembly.embedding_output() for r in requests]
         finally:
             for r in requests:

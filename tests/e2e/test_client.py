@@ -345,6 +345,10 @@ def test_async_embed_many_feeds_a_small_queue_and_checks_counts(start_engine):
                 await c.embed_many(texts, [PoolingParams(), PoolingParams()])
             outs = await c.embed_many(texts, timeout=120)
             alone = await c.embed(texts[7], timeout=60)
+            # A refused input raises as it arrives (the batch's requests share one queue).
+            bad = [c.info.vocab_size + 5]
+            with pytest.raises(mpengine.InvalidRequestError, match="vocabulary"):
+                await c.embed_many([*texts[:3], bad, texts[3]], timeout=60)
             return outs, alone
 
     outs, alone = asyncio.run(run())
@@ -487,6 +491,27 @@ def test_timeouts_abort_on_the_engine(client):
 
     asyncio.run(asyncio.wait_for(main(), ASYNC_LIMIT_S))
     assert_idle(client)
+
+
+def test_a_refused_prompt_of_a_batch_raises_at_once_and_aborts_the_rest(client):
+    """The batch waited for the requests before the bad one to finish, and left them
+    running: now the refusal raises as it arrives, and the others are aborted."""
+    before = client.stats()
+    bad = [client.info.vocab_size + 5]
+    with pytest.raises(mpengine.InvalidRequestError, match="vocabulary"):
+        client.generate_many([[1, 2, 3], bad, [4, 5, 6]], LONG, timeout=60)
+    after = wait_idle(client, timeout=30)
+    assert after.aborted - before.aborted == 2
+    assert after.generated_tokens - before.generated_tokens < LONG.max_tokens
+
+
+def test_a_request_id_must_be_a_string(client):
+    """An int once went to the engine, whose refusal never reached the caller: it hung."""
+    with pytest.raises(TypeError, match="request_id must be a str"):
+        client.generate([1, 2], SamplingParams(max_tokens=2), request_id=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="request_id must be a str"):
+        client.generate_many([[1], [2]], request_ids=[1, 2])  # type: ignore[list-item]
+    assert client.generate([1, 2], SamplingParams(max_tokens=2), request_id="ok").finished
 
 
 def test_close_with_thousands_pending_frees_every_block(engine, client):
