@@ -106,6 +106,8 @@ _MONITOR_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+HELLO_RETRY_S = 0.1  # the first wait for a hello's answer before connecting again
+HELLO_RETRY_MAX_S = 2.0
 _WILDCARD_HOSTS = {"", "*", "0.0.0.0", "[::]", "::", "[*]"}
 
 
@@ -484,6 +486,10 @@ class _Dealer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
+        # An engine ignores a connection under a client_id another one holds, also one
+        # closed a moment ago that its socket has not let go of yet: without an answer,
+        # connect again (and say hello again) after 0.1 s, then twice as long each time.
+        retry_s, retry_at = HELLO_RETRY_S, time.monotonic() + HELLO_RETRY_S
         while True:
             remaining = deadline.remaining()
             assert remaining is not None
@@ -493,7 +499,14 @@ class _Dealer:
                     " is it running there? (An engine also ignores a connection whose client_id"
                     " another live connection already uses.)"
                 )
-            events = dict(poller.poll(max(1, int(remaining * 1000))))
+            if time.monotonic() >= retry_at:
+                self.sock.disconnect(self.address)
+                self.sock.connect(self.address)
+                self.sock.send(hello)
+                retry_s = min(2 * retry_s, HELLO_RETRY_MAX_S)
+                retry_at = time.monotonic() + retry_s
+            wait_s = min(remaining, max(0.0, retry_at - time.monotonic()))
+            events = dict(poller.poll(max(1, int(wait_s * 1000))))
             if self.sock in events:
                 frame = self.sock.recv()
                 try:

@@ -536,6 +536,14 @@ def test_close_with_thousands_pending_frees_every_block(engine, client):
     assert len(client.generate(PROMPT, SamplingParams(max_tokens=4)).token_ids) == 4
 
 
+def test_a_client_id_is_free_again_once_its_client_closed(engine):
+    """The engine's socket lets go of a closed connection a moment later; a new one under
+    the same id, made at once, was ignored until its handshake timed out."""
+    for _ in range(3):
+        with mpengine.Client(engine.address, client_id="reused", timeout=10) as c:
+            assert c.generate(PROMPT, SamplingParams(max_tokens=2), timeout=30).finished
+
+
 def test_duplicate_client_id_fails_fast(engine, client):
     start = time.monotonic()
     with pytest.raises(ConnectionError, match="client_id"):
