@@ -1086,6 +1086,10 @@ def _per_prompt(params: Any, kind: type, count: int) -> list:
     sequence of them."""
     if params is None or isinstance(params, kind):
         return [params or kind()] * count
+    if isinstance(params, dict | str | bytes):  # would iterate as keys or characters
+        raise TypeError(
+            f"params must be {kind.__name__} (or one per prompt), not {type(params).__name__}"
+        )
     return list(params)
 
 

@@ -330,7 +330,10 @@ class Scheduler:
                     f"{MAX_LOGPROBS} in all)"
                 )
         if sampling.num_samples > self.max_num_seqs:
-            field = "best_of" if sampling.best_of else "n"
+            if sampling.use_beam_search:
+                field = "beam_width" if sampling.beam_width else "n"
+            else:
+                field = "best_of" if sampling.best_of else "n"
             raise RequestRejected(
                 f"sampling.{field}={sampling.num_samples} exceeds max_num_seqs={self.max_num_seqs}"
             )

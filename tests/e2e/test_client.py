@@ -505,8 +505,11 @@ def test_a_refused_prompt_of_a_batch_raises_at_once_and_aborts_the_rest(client):
     assert after.generated_tokens - before.generated_tokens < LONG.max_tokens
 
 
-def test_a_request_id_must_be_a_string(client):
-    """An int once went to the engine, whose refusal never reached the caller: it hung."""
+def test_arguments_of_the_wrong_type_fail_at_once(client):
+    """An int request id once went to the engine, whose refusal never reached the caller:
+    it hung. A dict of parameters was iterated as one set per prompt."""
+    with pytest.raises(TypeError, match="params must be SamplingParams"):
+        client.generate([1, 2], {"max_tokens": 2})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="request_id must be a str"):
         client.generate([1, 2], SamplingParams(max_tokens=2), request_id=5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="request_id must be a str"):

@@ -69,6 +69,18 @@ def test_min_tokens_above_capped_max_tokens_is_rejected_naming_the_field() -> No
     add(sched, "ok", [5] * 200, max_tokens=4000, min_tokens=56)  # exactly what fits
 
 
+def test_too_many_samples_name_the_field_that_asked_for_them() -> None:
+    sched = make(max_num_seqs=2)
+    for params, field in [
+        ({"n": 3}, "n"),
+        ({"n": 1, "best_of": 3}, "best_of"),
+        ({"n": 1, "use_beam_search": True, "beam_width": 4}, "beam_width"),
+        ({"n": 3, "use_beam_search": True}, "n"),
+    ]:
+        with pytest.raises(RequestRejected, match=rf"sampling\.{field}=\d+ exceeds max_num_seqs"):
+            add(sched, "r", [5, 6], temperature=0.0, **params)
+
+
 def test_stop_token_ids_outside_the_vocabulary_are_rejected() -> None:
     with pytest.raises(RequestRejected, match=r"sampling\.stop_token_ids: token id 97"):
         add(make(), "r", [5, 6], stop_token_ids=[3, VOCAB])
