@@ -48,8 +48,15 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     """The body of ``mpengine serve``; the exit status."""
     api_key = args.api_key
     if args.api_key_file:
-        with open(args.api_key_file) as key_file:
-            api_key = key_file.read().strip()
+        try:
+            with open(args.api_key_file) as key_file:
+                api_key = key_file.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"mpengine: cannot read --api-key-file: {exc}") from None
+    if api_key is not None and not api_key:
+        # A check against "" would let in whoever sends an empty bearer token.
+        source = "--api-key-file holds" if args.api_key_file else "--api-key is"
+        raise SystemExit(f"mpengine: {source} an empty key: give a key, or none for no auth")
     configure_logging(engine_config.log_level, "serve")
     listener = _listen(args.host, args.port)
     notifier = Notifier.from_environment()

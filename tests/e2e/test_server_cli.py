@@ -131,6 +131,22 @@ def test_port_in_use_fails_before_loading(tmp_path: Path) -> None:
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
 
 
+def test_unusable_api_keys_fail_in_one_line(tmp_path: Path) -> None:
+    """An empty key would let in whoever sends an empty bearer token; an unreadable key
+    file printed a traceback."""
+    (tmp_path / "empty.key").write_text("\n")
+    for flags, message in [
+        (["--api-key-file", str(tmp_path / "empty.key")], "--api-key-file holds an empty key"),
+        (["--api-key", ""], "--api-key is an empty key"),
+        (["--api-key-file", str(tmp_path / "missing")], "cannot read --api-key-file"),
+        (["--api-key-file", str(tmp_path)], "cannot read --api-key-file"),
+    ]:
+        cmd = [sys.executable, "-m", "mpengine.cli", "serve", "--port", "0", *flags]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode != 0 and message in done.stderr, (flags, done.stderr)
+        assert "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("name", ["testorg/not-cached", "./not/a/dir"])
 def test_unknown_model_path_fails_clearly(tmp_path: Path, name: str) -> None:
     from mpengine.testing.tiny import resolve_model
