@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -473,6 +473,17 @@ class Engine:
 
     def _stop_processes(self, grace: float) -> None:
         procs = list(self.processes.values())
+
+        def kill_now() -> None:
+            for proc in procs:
+                with contextlib.suppress(ValueError, ProcessLookupError):
+                    if proc.is_alive():
+                        os.kill(proc.pid, signal.SIGKILL)
+
+        with _interrupts_hurry(kill_now):
+            self._reap(procs, grace)
+
+    def _reap(self, procs: list[StageProcess], grace: float) -> None:
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()  # the loops see their stop flag within POLL_S
@@ -503,6 +514,29 @@ class Engine:
             os.close(self._lock_fd)
             self._lock_fd = None
         self.stopped.set()
+
+
+@contextlib.contextmanager
+def _interrupts_hurry(hurry: Callable[[], None]) -> Iterator[None]:
+    """While the engine stops: a Ctrl-C (SIGINT) calls ``hurry`` instead of interrupting
+    the clean-up half-way (which left the runtime dir and unreaped stages behind); the
+    ``KeyboardInterrupt`` is raised once it is done. Only the main thread can do this."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    interrupted: list[int] = []
+
+    def handler(signum: int, _frame: object) -> None:
+        interrupted.append(signum)
+        hurry()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 def launch(model: str = "tiny", **kwargs: object) -> Engine:

@@ -105,3 +105,24 @@ def test_killed_launcher_takes_its_stages_along_and_the_next_launch_sweeps(tmp_p
     sweep_stale_runtime_dirs()
     assert leftovers(info["id"]) == []
     assert not os.path.exists(info["dir"])
+
+
+def test_a_ctrl_c_while_stopping_hurries_the_stop_and_still_cleans_up(start_engine):
+    """A second Ctrl-C, landing while the launcher waited for its stages to stop, left the
+    runtime dir and unreaped stages behind: now it kills the stages, the clean-up runs to
+    its end, and the KeyboardInterrupt comes after."""
+    engine = start_engine(model="tiny", runtime="processes")
+    stages = list(engine.processes.values())
+    reap = engine._reap
+
+    def interrupted_reap(procs, grace):
+        signal.raise_signal(signal.SIGINT)  # as a terminal's Ctrl-C would, mid-stop
+        reap(procs, grace)
+
+    engine._reap = interrupted_reap
+    previous = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        engine.shutdown()
+    assert signal.getsignal(signal.SIGINT) is previous
+    assert not os.path.exists(engine.runtime_dir)
+    assert not engine.processes and all(stage.exitcode is not None for stage in stages)
