@@ -11,14 +11,17 @@ when unset.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Strict, field_validator, model_validator
 
 from mpengine.protocol import PoolingParams, SamplingParams, lone_surrogate
 
 # -- requests --------------------------------------------------------------------------------
+
+# A token id is a JSON integer: pydantic's lax mode would take true as 1 and 4.0 as 4.
+TokenId = Annotated[int, Strict()]
 
 
 def unicode_text(value: Any) -> Any:
@@ -70,7 +73,7 @@ class SamplingFields(RequestModel):
     seed: int | None = None
     n: int = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     presence_penalty: float | None = None
@@ -160,7 +163,7 @@ def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -212,7 +215,7 @@ class TokenizeRequest(RequestModel):
 
 class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class EmbeddingRequest(RequestModel):
@@ -220,9 +223,9 @@ class EmbeddingRequest(RequestModel):
     and ``pooling`` (None: the model's default)."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: Annotated[int, Strict()] | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None

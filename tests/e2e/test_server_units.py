@@ -172,3 +172,13 @@ def test_a_request_beyond_the_queue_bounds_is_a_400() -> None:
         ServerState.check_prompts(state, [[5] * 600, [6] * 600], "prompt")
     assert refused.value.status == 400 and refused.value.param == "prompt"
     assert "max_waiting_tokens" in refused.value.message
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"prompt": [True, 5]}, {"prompt": [[5], [4.0]]}, {"prompt": "x", "stop_token_ids": [True]}],
+)
+def test_token_ids_are_json_integers(body: dict) -> None:
+    """pydantic's lax mode took true as token 1 and 4.0 as 4."""
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate(body)
