@@ -61,6 +61,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     trace: str | None = None
 
     def __post_init__(self) -> None:
+        if self.trace and not os.path.isdir(folder := os.path.dirname(os.path.abspath(self.trace))):
+            # Found out at start, not when the stages write their parts at the end.
+            raise ValueError(f"trace: the folder {folder!r} does not exist")
         if self.address and not self.address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"address must be ipc://DIR or tcp://HOST:PORT, got {self.address!r}")
         # A request is announced to the output processor in one ring frame.

@@ -199,3 +199,10 @@ def test_a_ring_too_small_for_the_batch_limits_is_refused_naming_the_option() ->
 def test_ring_must_hold_a_request() -> None:
     with pytest.raises(ValueError, match=r"ring_bytes .* must be at least max_request_bytes"):
         EngineConfig(ring_bytes=4 * MiB, max_request_bytes=4 * MiB)
+
+
+def test_a_trace_into_a_missing_folder_fails_at_start(tmp_path) -> None:
+    """The stages write their parts when they stop: a missing folder was found out then."""
+    with pytest.raises(ValueError, match="trace: the folder"):
+        EngineConfig(trace=str(tmp_path / "missing" / "trace.json"))
+    assert EngineConfig(trace=str(tmp_path / "trace.json")).trace
