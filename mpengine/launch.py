@@ -521,7 +521,10 @@ def _interrupts_hurry(hurry: Callable[[], None]) -> Iterator[None]:
     """While the engine stops: a Ctrl-C (SIGINT) calls ``hurry`` instead of interrupting
     the clean-up half-way (which left the runtime dir and unreaped stages behind); the
     ``KeyboardInterrupt`` is raised once it is done. Only the main thread can do this."""
-    if threading.current_thread() is not threading.main_thread():
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # ignored on purpose: still
+    ):
         yield
         return
     interrupted: list[int] = []
