@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import sys
 import threading
@@ -27,7 +26,13 @@ from mpengine.errors import (
     InvalidRequestError,
     RequestFailedError,
 )
-from mpengine.runtime.diagnose import add_stacks_args, add_top_args, cmd_stacks, cmd_top
+from mpengine.runtime.diagnose import (
+    add_stacks_args,
+    add_top_args,
+    check_address,
+    cmd_stacks,
+    cmd_top,
+)
 from mpengine.server.options import add_serve_args
 
 _NONE = object()
@@ -253,16 +258,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
     fields["per_step"] = breakdown(stats.stages)
     print(json.dumps(fields, indent=2))
     return 0
-
-
-def check_address(address: str) -> None:
-    from mpengine.client import connectable
-
-    if not address.startswith(("ipc://", "tcp://")):
-        raise SystemExit(f"mpengine: {address!r} is not an ipc:// or tcp:// address")
-    path = connectable(address).removeprefix("ipc://")
-    if address.startswith("ipc://") and not os.path.exists(path):
-        raise SystemExit(f"mpengine: no engine at {address}: {path} does not exist")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -325,10 +325,23 @@ def add_top_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auth-token", default=None, help="the engine's auth token, if any")
 
 
+def check_address(address: str) -> None:
+    """Exit with one line unless ``address`` is an engine's address (an ipc socket that
+    exists): a client would wait out its whole handshake timeout."""
+    from mpengine.client import connectable
+
+    if not address.startswith(("ipc://", "tcp://")):
+        raise SystemExit(f"mpengine: {address!r} is not an ipc:// or tcp:// address")
+    path = connectable(address).removeprefix("ipc://")
+    if address.startswith("ipc://") and not os.path.exists(path):
+        raise SystemExit(f"mpengine: no engine at {address}: {path} does not exist")
+
+
 def cmd_top(args: argparse.Namespace) -> int:
     """``mpengine top``: a live view, refreshed every ``--interval`` seconds."""
     from mpengine.client import Client
 
+    check_address(args.address)
     with Client(args.address, auth_token=args.auth_token) as client:
         title = f"mpengine top  {client.info.model}  ({client.info.runtime}, {args.address})"
         before = take_sample(client)

@@ -106,6 +106,18 @@ def _stats(done: int, stages: dict[str, tuple[int, float]], **counts: int) -> En
     return EngineStats(**fields)
 
 
+def test_top_and_stats_of_no_engine_fail_at_once(tmp_path) -> None:
+    """``top`` waited out the client's whole handshake timeout (30 s) where ``stats`` said
+    at once that nothing is there."""
+    address = f"ipc://{tmp_path}"
+    for command in ("top", "stats"):
+        cmd = [sys.executable, "-m", "mpengine.cli", command, address]
+        if command == "top":
+            cmd.append("--once")
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        assert done.returncode != 0 and "no engine at" in done.stderr, done.stderr
+
+
 def test_render_top_names_the_bottleneck() -> None:
     before = Sample(
         _stats(100, {"scheduler": (100, 0.1), "executor": (100, 1.0)}, generated_tokens=1000),
