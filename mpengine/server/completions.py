@@ -165,6 +165,8 @@ class _View:
         ids = self.body.return_token_ids
         prompt = None if prompt_index is None else self.prompts[prompt_index]
         num_top = self.body.prompt_logprobs
+        if prompt_rows is None and prompt is not None and len(prompt) == 1:
+            prompt_rows = [None]  # a first token has no logprob, as vLLM says it: [null]
         return CompletionChoice(
             index,
             text,

@@ -392,6 +392,10 @@ def test_prompt_logprobs_in_vllm_shape(api: openai.OpenAI, server: Served, ipc) 
         server, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 1}
     )
     assert "prompt_logprobs" not in reply["choices"][0]
+    # a one-token prompt has one position, with no logprob (the field was left out)
+    body = {"model": "tiny", "prompt": ids[:1], "max_tokens": 1, "prompt_logprobs": 1}
+    status, reply = http(server, "/v1/completions", body)
+    assert status == 200 and reply["choices"][0]["prompt_logprobs"] == [None], reply
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(api: openai.OpenAI, server: Served, ipc):
