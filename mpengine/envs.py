@@ -12,7 +12,8 @@ They exist for tests and diagnosis, never for behaviour a user should configure 
 One more says where things built on this machine are kept:
 
 - ``MPENGINE_CACHE_DIR``: the built-in tiny models (``models/``) and the CPU attention
-  kernels (``kernels/``); default ``~/.cache/mpengine``.
+  kernels (``kernels/``); default ``~/.cache/mpengine``. Files there (and the engine's
+  other files that readers may open at any time) are written with ``write_atomically``.
 
 And the executor honours two of its tools' own: ``CC`` (the C compiler that builds the CPU
 attention kernels, default ``cc``) and ``TRITON_INTERPRET=1`` (Triton's interpreter, which
@@ -32,6 +33,17 @@ def _ints(name: str) -> frozenset[int]:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("MPENGINE_CACHE_DIR") or Path.home() / ".cache" / "mpengine")
+
+
+def write_atomically(path: str | os.PathLike[str], data: bytes) -> None:
+    """A reader never sees a half-written file: write a sibling, then rename it."""
+    tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def fault_steps() -> frozenset[int]:

@@ -102,7 +102,6 @@ class CompiledDecode:
                 rows=None,
                 block_table=torch.zeros(size, width, dtype=torch.int32),
                 contexts=torch.ones(size, dtype=torch.int64),
-                max_group=lib.max_group,
             ),
             prefill=None,
             native=lib,

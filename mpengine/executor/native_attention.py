@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from mpengine.envs import cache_dir
+from mpengine.envs import cache_dir, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def _library_path() -> Path:
             cmd = [*compiler, *FLAGS, *arch, "-o", tmp, str(SOURCE)]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode == 0 and os.path.getsize(tmp) > 0:
-                _write_atomically(digest, _digest(Path(tmp)))
+                write_atomically(digest, _digest(Path(tmp)).encode())
                 os.replace(tmp, path)
                 logger.info("built %s", path)
                 return path
@@ -132,13 +132,6 @@ def _library_path() -> Path:
 
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _cpu_id() -> bytes:

@@ -81,7 +81,6 @@ class NativeDecodePlan:
     rows: torch.Tensor | None  # [D] int64 batch rows of the decodes; None: rows 0 .. D-1
     block_table: torch.Tensor  # [D, W] int32, contiguous
     contexts: torch.Tensor  # [D] int64, keys of each decode
-    max_group: int  # query heads per KV head the kernel takes
 
 
 @dataclass(slots=True)
@@ -140,7 +139,7 @@ def plan_step(
     if is_decode.any():
         members = np.flatnonzero(is_decode)
         if native is not None:
-            decode = _plan_native_decodes(layout, members, first_token, native.max_group)
+            decode = _plan_native_decodes(layout, members, first_token)
         else:
             decode = _plan_decodes(layout, members, first_token, cache)
     if not is_decode.all():
@@ -191,7 +190,7 @@ def _plan_decodes(
 
 
 def _plan_native_decodes(
-    layout: StepLayout, members: np.ndarray, first_token: np.ndarray, max_group: int
+    layout: StepLayout, members: np.ndarray, first_token: np.ndarray
 ) -> NativeDecodePlan:
     rows = first_token[members]
     in_order = bool((rows == np.arange(len(rows))).all())
@@ -206,7 +205,6 @@ def _plan_native_decodes(
         rows=None if in_order else torch.from_numpy(rows.astype(np.int64)),
         block_table=torch.from_numpy(table),
         contexts=torch.from_numpy(contexts.astype(np.int64)),
-        max_group=max_group,
     )
 
 
@@ -285,11 +283,11 @@ def attend(
     (transformers' layout); returns ``[T, heads, dim]``."""
     num_kv_heads, head_dim = cache.shape[1], cache.shape[-1]
     group = query.shape[1] // num_kv_heads
-    if isinstance(plan.decode, NativeDecodePlan) and group > plan.decode.max_group:
-        # (before anything is written)
+    decoder = plan.native if isinstance(plan.decode, NativeDecodePlan) else None
+    if decoder is not None and group > decoder.max_group:  # before anything is written
         raise NotImplementedError(
             f"{group} query heads per KV head: the native kernel takes at most "
-            f"{plan.decode.max_group} (use the torch backend)"
+            f"{decoder.max_group} (use the torch backend)"
         )
     # 1. this step's keys and values -> their cache rows (every head at the same row)
     if plan.native is not None:

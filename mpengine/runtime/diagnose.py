@@ -18,11 +18,11 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mpengine.envs import write_atomically
 from mpengine.runtime.stage import STACKS_SIGNAL
 
 ENGINE_FILE = "engine.json"
@@ -36,11 +36,7 @@ DUMP_QUIET_S = 0.1  # a dump is complete once its file stops growing for this lo
 def write_engine_file(directory: str, record: dict) -> None:
     """Write ``DIR/engine.json``: aside, then renamed, so that a reader never sees half a
     file."""
-    path = Path(directory) / ENGINE_FILE
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".engine-", suffix=".json")
-    with os.fdopen(fd, "w") as out:
-        json.dump(record, out)
-    os.replace(tmp, path)
+    write_atomically(Path(directory) / ENGINE_FILE, json.dumps(record).encode())
 
 
 def read_engine_file(directory: str) -> dict | None:

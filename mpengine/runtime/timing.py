@@ -45,6 +45,7 @@ from time import perf_counter
 
 import msgspec
 
+from mpengine.envs import write_atomically
 from mpengine.protocol import StageTimes
 
 logger = logging.getLogger(__name__)
@@ -259,7 +260,7 @@ class Trace:
     def write(self) -> None:
         """Write the part file; a failure is logged, never raised (this runs at exit)."""
         try:
-            _write_atomically(self.path, _TRACE_HEAD + self._body() + _TRACE_TAIL)
+            write_atomically(self.path, _TRACE_HEAD + self._body() + _TRACE_TAIL)
         except Exception:
             logger.exception("cannot write the trace %s", self.path)
 
@@ -327,21 +328,10 @@ def merge_trace(trace: str, processes: Iterable[str]) -> list[str]:
             bodies.append(body)
         merged.append(process)
     try:
-        _write_atomically(trace, _TRACE_HEAD + b",".join(bodies) + _TRACE_TAIL)
+        write_atomically(trace, _TRACE_HEAD + b",".join(bodies) + _TRACE_TAIL)
     except OSError as exc:
         logger.warning("cannot write the trace %s: %s (its parts stay)", trace, exc)
         return []
     for process in merged:
         Path(part_path(trace, process)).unlink(missing_ok=True)
     return merged
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    """A reader never sees a half-written file: write a sibling, then rename it."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
