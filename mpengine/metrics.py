@@ -97,8 +97,8 @@ class ServerMetrics:
         self.engine = EngineCollector(model_name)
         self.registry.register(self.engine)
 
-    def tracker(self, num_prompt_tokens: int, n: int) -> RequestTracker:
-        return RequestTracker(self, num_prompt_tokens, n)
+    def tracker(self, num_prompt_tokens: int, n: int, ranked: bool = False) -> RequestTracker:
+        return RequestTracker(self, num_prompt_tokens, n, ranked)
 
     def success(self, reason: str) -> None:
         self.request_success.labels(self.model_name, reason).inc()
@@ -114,11 +114,18 @@ class RequestTracker:
     when the HTTP client went away and the request was aborted: its open samples count as
     aborted then (their final outputs are no longer delivered). A request the engine
     refused (``on_refused``) counts in no finish reason.
+
+    A ``ranked`` request (``best_of > n``, beam search) arrives whole at its end, one
+    finished output per returned sample; its generated tokens are what the outputs' own
+    ``num_generated_tokens`` say (every sample's, returned or not, as the usage counts).
     """
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, n: int) -> None:
+    def __init__(
+        self, metrics: ServerMetrics, num_prompt_tokens: int, n: int, ranked: bool = False
+    ) -> None:
         self.metrics = metrics
         self.num_prompt_tokens = num_prompt_tokens
+        self.ranked = ranked
         self.num_generated = 0
         self.open_samples = set(range(n))
         self.last_output_at: dict[int, float] = {}  # sample index -> monotonic seconds
@@ -130,10 +137,14 @@ class RequestTracker:
         if not self.answered:
             self.answered = True
             m.prompt_tokens.inc(self.num_prompt_tokens)
+        if self.ranked and delta.num_generated_tokens:
+            m.generation_tokens.inc(delta.num_generated_tokens)
+            self.num_generated += delta.num_generated_tokens
         for sample in delta.outputs:
             if sample.token_ids:
-                m.generation_tokens.inc(len(sample.token_ids))
-                self.num_generated += len(sample.token_ids)
+                if not self.ranked:
+                    m.generation_tokens.inc(len(sample.token_ids))
+                    self.num_generated += len(sample.token_ids)
                 last = self.last_output_at.get(sample.index)
                 if last is not None:
                     m.itl.observe(now - last)

@@ -360,12 +360,13 @@ class OutputProcessor:
             kept = ids if (not stopped or request.include_stop) else ids[:-1]
             text = "".join(stream.push(int(t)) for t in kept) + stream.flush()
             stop_reason = last if stopped and last not in request.eos_ids else None
+            # A beam's tokens reach the client only now, all at once: its first token too.
+            seq.first_token_time = seq.first_token_time or now
             delta = self._finish(
                 seq, "stop" if stopped else "length", stop_reason, now, text, Array.of(ids)
             )
             delta.cumulative_logprob = hypothesis.score
             delta.num_generated_tokens = len(ids)  # what usage counts: the returned beams
-            seq.first_token_time = seq.first_token_time or now
             out.append((seq.seq_id, delta))
         request.beams = None
         return out

@@ -80,7 +80,8 @@ class Generation:
         self.state = state
         self.prompts = prompts
         self.params = params
-        self.trackers = [state.metrics.tracker(len(p), params.n) for p in prompts]
+        ranked = not params.streams
+        self.trackers = [state.metrics.tracker(len(p), params.n, ranked) for p in prompts]
         self.refused = False
         read = state.client.stream if params.streams else self._ranked
         self.streams = [
@@ -98,8 +99,8 @@ class Generation:
     async def _ranked(
         self, prompt: list[int], params: SamplingParams, request_id: str, priority: int
     ) -> AsyncIterator[RequestOutput]:
-        """A ranked request's result as one finished delta per returned sample; the first
-        carries the tokens all ``best_of`` samples generated."""
+        """A ranked request's result as one delta per returned sample, the last one
+        ``finished``; the first carries the tokens all ``best_of`` samples generated."""
         client = self.state.client
         out = await client.generate(prompt, params, request_id=request_id, priority=priority)
         for sample in out.outputs:
@@ -108,7 +109,7 @@ class Generation:
                 out.request_id,
                 out.prompt_token_ids,
                 [sample],
-                True,
+                sample is out.outputs[-1],
                 out.prompt_logprobs,
                 out.metrics,
                 total,

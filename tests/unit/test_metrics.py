@@ -119,3 +119,28 @@ def test_engine_numbers_are_the_engines_own() -> None:
 def test_token_buckets_follow_1_2_5() -> None:
     assert token_buckets(4096) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
     assert token_buckets(1) == [1]
+
+
+def test_a_ranked_request_is_one_request_of_every_sample_s_tokens() -> None:
+    """best_of > n (or beam search): the result arrives whole, one finished output per
+    returned sample, the first carrying every sample's tokens (returned or not)."""
+    metrics = ServerMetrics("m", 4096)
+    tracker = metrics.tracker(num_prompt_tokens=4, n=2, ranked=True)
+    timing = RequestMetrics(
+        arrival_time=10.0, scheduled_time=10.25, first_token_time=11.0, finished_time=12.0
+    )
+    first = delta(0, [5, 6, 7], "length", timing=timing)
+    first.num_generated_tokens = 9  # three samples of three tokens; two returned
+    tracker.on_output(first, now=1.0)
+    tracker.on_output(delta(1, [8, 9, 10], "length", finished=True, timing=timing), now=1.0)
+    v = values(metrics)
+    assert v["mpengine:generation_tokens_total", ()] == 9
+    assert v["mpengine:request_success_total", (("finished_reason", "length"),)] == 2
+    assert v["mpengine:inter_token_latency_seconds_count", ()] == 0
+    for name, value in (
+        ("time_to_first_token_seconds", 1.0),
+        ("e2e_request_latency_seconds", 2.0),
+        ("request_generation_tokens", 9),
+    ):
+        assert v[f"mpengine:{name}_count", ()] == 1, name
+        assert v[f"mpengine:{name}_sum", ()] == pytest.approx(value), name
