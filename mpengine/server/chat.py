@@ -163,19 +163,22 @@ class _View:
         self, generation: Generation
     ) -> Callable[[tuple[int, RequestOutput]], AsyncIterator[bytes]]:
         ids = self.body.return_token_ids
+        options = self.body.stream_options
+        continuous = options is not None and options.continuous
 
         async def chunks(first: tuple[int, RequestOutput]) -> AsyncIterator[bytes]:
-            started: set[int] = set()
+            generated: dict[int, int] = {}  # choice index -> tokens so far
             num_generated = 0
             item: tuple[int, RequestOutput] | None = first
             while item is not None:
                 sample = item[1].outputs[0]
                 index = sample.index
-                if index not in started:
-                    started.add(index)
+                if index not in generated:
+                    generated[index] = 0
                     role = ChatChunkChoice(index, ChatDelta("assistant", self.echoed), None, None)
                     prompt_ids = self.prompt if ids and index == 0 else None
-                    yield self._chunk([role], prompt_token_ids=prompt_ids)
+                    usage = self._usage(0) if continuous else None
+                    yield self._chunk([role], prompt_token_ids=prompt_ids, usage=usage)
                 choice = ChatChunkChoice(
                     index,
                     ChatDelta(content=sample.text),
@@ -184,10 +187,11 @@ class _View:
                     sample.stop_reason,
                     sample.token_ids if ids else None,
                 )
-                yield self._chunk([choice])
                 num_generated += len(sample.token_ids)
+                generated[index] += len(sample.token_ids)
+                usage = self._usage(generated[index]) if continuous else None
+                yield self._chunk([choice], usage=usage)
                 item = await generation.next()
-            options = self.body.stream_options
             if options is not None and options.include_usage:
                 yield self._chunk([], usage=self._usage(num_generated))
             yield DONE

@@ -215,8 +215,12 @@ class _View:
             self.id, self.created, self.model, choices, usage=self._usage(num_generated)
         )
 
-    def _usage(self, num_generated: int) -> Usage:
-        num_prompt = sum(map(len, self.prompts))
+    def _usage(self, num_generated: int, prompt_index: int | None = None) -> Usage:
+        """Usage of the whole request, or of one of its prompts' choices."""
+        if prompt_index is None:
+            num_prompt = sum(map(len, self.prompts))
+        else:
+            num_prompt = len(self.prompts[prompt_index])
         return Usage(num_prompt, num_generated, num_prompt + num_generated)
 
     def stream(
@@ -224,10 +228,14 @@ class _View:
     ) -> Callable[[tuple[int, RequestOutput]], AsyncIterator[bytes]]:
         """``chunks(first)`` for ``stream_response``: one chunk per delta, then usage."""
 
+        options = self.body.stream_options
+        continuous = options is not None and options.continuous
+
         async def chunks(first: tuple[int, RequestOutput]) -> AsyncIterator[bytes]:
             offsets: dict[int, int] = {}  # choice index -> characters sent so far
             prompt_logprobs: dict[int, list] = {}
             prompt_ranks: dict[int, list | None] = {}
+            generated: dict[int, int] = {}  # choice index -> tokens so far
             num_generated = 0
             item: tuple[int, RequestOutput] | None = first
             while item is not None:
@@ -267,10 +275,11 @@ class _View:
                     prompt_logprobs.get(prompt_index),
                     prompt_ranks.get(prompt_index),
                 )
-                yield event(Completion(self.id, self.created, self.model, [choice]))
                 num_generated += len(token_ids)
+                generated[index] = generated.get(index, 0) + len(token_ids)
+                usage = self._usage(generated[index], prompt_index) if continuous else None
+                yield event(Completion(self.id, self.created, self.model, [choice], usage=usage))
                 item = await generation.next()
-            options = self.body.stream_options
             if options is not None and options.include_usage:
                 usage = self._usage(num_generated)
                 yield event(Completion(self.id, self.created, self.model, [], usage=usage))

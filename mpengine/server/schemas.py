@@ -59,6 +59,12 @@ class RequestModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far.
+    continuous_usage_stats: bool = False
+
+    @property
+    def continuous(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class SamplingFields(RequestModel):

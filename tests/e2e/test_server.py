@@ -550,6 +550,58 @@ def test_chat_prompt_logprobs_parts_and_tokenize_options(server: Served, ipc) ->
     assert continued != closed and len(continued) < len(closed)
 
 
+def test_continuous_usage_stats_count_each_choice_so_far(api: openai.OpenAI) -> None:
+    """vLLM's ``continuous_usage_stats``: with ``include_usage``, every chunk carries its
+    choice's usage so far (its own prompt's tokens, its tokens up to this chunk)."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    prompts = [[5, 6, 7], [8, 9]]
+    chunks = list(
+        api.completions.create(
+            model="tiny",
+            prompt=prompts,
+            max_tokens=4,
+            n=2,
+            stream=True,
+            stream_options=options,
+            extra_body=extra,
+        )
+    )
+    so_far: Counter[int] = Counter()
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        so_far[choice.index] += len(choice.model_extra["token_ids"])
+        num_prompt = len(prompts[choice.index // 2])
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (
+            num_prompt,
+            so_far[choice.index],
+        )
+        assert chunk.usage.total_tokens == num_prompt + so_far[choice.index]
+    assert so_far == dict.fromkeys(range(4), 4)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == 3 + 2  # each prompt once, as vLLM counts
+
+    messages = [{"role": "user", "content": "hi"}]
+    stream = api.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=3, stream=True, stream_options=options
+    )
+    chat = list(stream)
+    num_prompt = chat[-1].usage.prompt_tokens
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[0].usage.completion_tokens == 0 and chat[0].usage.prompt_tokens == num_prompt
+    counts = [c.usage.completion_tokens for c in chat[1:-1]]
+    assert counts == sorted(counts) and counts[-1] == chat[-1].usage.completion_tokens
+    # Without continuous_usage_stats only the last chunk has usage.
+    plain = api.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert [c.usage is not None for c in plain][-2:] == [False, True]
+
+
 def test_chat_streaming_n(api: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "hi"}]
     whole = api.chat.completions.create(
@@ -816,8 +868,8 @@ def test_metrics_count_a_known_workload_exactly(server: Served, api: openai.Open
     stop_id = greedy(ipc, ids, 3)[2]
     wait_idle(ipc, timeout=30)
     before = _metrics(server)
-    # 5 engine requests: a completion, a chat, a greedy completion that stops on a token,
-    # and a streamed one of 2 prompts with n=2.
+    # 7 engine requests: a completion, a chat, a greedy completion that stops on a token,
+    # best_of, beam search, and a streamed one of 2 prompts with n=2.
     extra = {"ignore_eos": True}
     replies = [
         api.completions.create(model="tiny", prompt="alpha beta", max_tokens=5, extra_body=extra),
@@ -836,6 +888,21 @@ def test_metrics_count_a_known_workload_exactly(server: Served, api: openai.Open
         ),
     ]
     assert replies[2].choices[0].finish_reason == "stop"
+    # Ranked requests arrive whole, one output per returned sample; each is one request,
+    # and best_of's usage (and the token counter) counts the samples not returned too.
+    ranked = [
+        api.completions.create(
+            model="tiny", prompt="alpha", n=2, best_of=3, max_tokens=4, extra_body=extra
+        ),
+        api.completions.create(
+            model="tiny",
+            prompt="beta",
+            n=2,
+            max_tokens=4,
+            extra_body={"use_beam_search": True, "ignore_eos": True},
+        ),
+    ]
+    assert ranked[0].usage.completion_tokens == 12
     chunks = list(
         api.completions.create(
             model="tiny",
@@ -849,11 +916,14 @@ def test_metrics_count_a_known_workload_exactly(server: Served, api: openai.Open
     )
     streamed = chunks[-1].usage
     finals = [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
-    reasons = Counter(finals + [c.finish_reason for r in replies for c in r.choices])
-    num_requests = 5
+    reasons = Counter(finals + [c.finish_reason for r in replies + ranked for c in r.choices])
+    num_requests = 7
     num_samples = sum(reasons.values())
-    num_prompt = sum(r.usage.prompt_tokens for r in replies) + streamed.prompt_tokens
-    num_generated = sum(r.usage.completion_tokens for r in replies) + streamed.completion_tokens
+    num_prompt = sum(r.usage.prompt_tokens for r in replies + ranked) + streamed.prompt_tokens
+    num_generated = (
+        sum(r.usage.completion_tokens for r in replies + ranked) + streamed.completion_tokens
+    )
+    num_ranked_tokens = sum(r.usage.completion_tokens for r in ranked)
     after = _metrics(server)
 
     def delta(name: str, **labels: str) -> float:
@@ -874,8 +944,10 @@ def test_metrics_count_a_known_workload_exactly(server: Served, api: openai.Open
         assert delta(f"mpengine:{histogram}_count") == num_requests, histogram
     assert delta("mpengine:request_prompt_tokens_sum") == num_prompt
     assert delta("mpengine:request_generation_tokens_sum") == num_generated
-    # One output per token per sample: a sample's gaps are its tokens but one.
-    assert delta("mpengine:inter_token_latency_seconds_count") == num_generated - num_samples
+    # One output per token per sample: a sample's gaps are its tokens but one; a ranked
+    # sample has no gaps (it arrives whole).
+    gaps = num_generated - num_ranked_tokens - (num_samples - 4)
+    assert delta("mpengine:inter_token_latency_seconds_count") == gaps
     stats = ipc.stats()
     assert after["mpengine:num_preemptions_total", ()] == stats.preemptions
     assert after["mpengine:num_requests_running", ()] == 0
