@@ -94,10 +94,11 @@ async def _prompts(
         items = list(prompt)
     if not items:
         raise bad_request("prompt is empty", "prompt")
+    state.check_count(len(items), "prompt")
     texts = [item if isinstance(item, str) else None for item in items]
     strings = [t for t in texts if t is not None]
     encoded = iter(await state.text.encode(strings) if strings else [])
-    ids = [next(encoded) if isinstance(item, str) else list(item) for item in items]
+    ids = [next(encoded) if isinstance(item, str) else item for item in items]
     if any(not p for p in ids):
         raise bad_request("prompt is empty", "prompt")
     return texts, ids

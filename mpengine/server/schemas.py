@@ -24,10 +24,24 @@ from mpengine.protocol import PoolingParams, SamplingParams, lone_surrogate
 TokenId = Annotated[int, Strict()]
 
 
+_JSON = msgspec.json.Encoder()
+
+
 def unicode_text(value: Any) -> Any:
     """``value`` (a field's, strings nested in lists and dicts included), refused when a
     string holds a lone UTF-16 surrogate (``protocol.lone_surrogate``): the tokenizer would
-    fail on it."""
+    fail on it. Plain JSON values are checked by encoding them as UTF-8 at C speed (a
+    prompt of a million token-id lists would take seconds one by one); others are looked
+    into one by one."""
+    if isinstance(value, list | dict):
+        try:
+            _JSON.encode(value)
+        except UnicodeEncodeError:
+            raise ValueError("holds a lone UTF-16 surrogate: not Unicode text") from None
+        except (TypeError, msgspec.EncodeError):
+            pass  # not plain JSON (a nested model): look into it one by one
+        else:
+            return value
     if isinstance(value, str):
         if lone_surrogate(value):
             raise ValueError("holds a lone UTF-16 surrogate: not Unicode text")

@@ -48,20 +48,25 @@ class ServerState:
         message = f"the model {name!r} does not exist; this server serves {self.model_names}"
         raise APIError(404, message, "model", "model_not_found")
 
+    def check_count(self, num_prompts: int, param: str) -> None:
+        """A request of more prompts than the engine queues is a 400: a 503 "retry later"
+        would never succeed. Checked before the prompts are looked at one by one."""
+        queue = self.info.max_waiting_requests
+        if queue and num_prompts > queue:
+            raise APIError(
+                400,
+                f"{num_prompts} prompts in one request: the engine queues at most {queue} "
+                "(max_waiting_requests); send fewer per request",
+                param,
+            )
+
     def check_prompts(self, prompts: list[list[int]], param: str) -> None:
         """Every prompt of a request can generate: its ids are in the vocabulary and it
         leaves room in the context. Checked before anything is submitted, so a request
         with one bad prompt of several is a 400 even when it streams (the engine would
         refuse that prompt only once the others' first tokens were on their way)."""
         vocab, limit = self.info.vocab_size, self.info.max_model_len
-        queue = self.info.max_waiting_requests
-        if queue and len(prompts) > queue:  # a 503 "retry later" would never succeed
-            raise APIError(
-                400,
-                f"{len(prompts)} prompts in one request: the engine queues at most {queue} "
-                "(max_waiting_requests); send fewer per request",
-                param,
-            )
+        self.check_count(len(prompts), param)
         total, most = sum(map(len, prompts)), self.info.max_waiting_tokens
         if most and len(prompts) > 1 and total > most:  # likewise (one prompt always fits)
             raise APIError(

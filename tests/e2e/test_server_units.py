@@ -66,6 +66,7 @@ def test_messages_name_their_field() -> None:
         ({"prompt": ["ok", "\udc00 x"]}, "prompt"),
         ({"prompt": "a", "stop": ["\ud800"]}, "stop"),
         ({"prompt": "a", "user": "\ud800"}, "user"),
+        ({"prompt": "a", "logit_bias": {"\ud800": 1}}, "logit_bias"),
     ],
 )
 def test_lone_surrogates_are_refused_by_field(body: dict, field: str) -> None:
@@ -77,12 +78,19 @@ def test_lone_surrogates_are_refused_by_field(body: dict, field: str) -> None:
     assert error["loc"] == (field,) and "surrogate" in error["msg"]
 
 
+def test_token_id_lists_pass_the_text_check() -> None:
+    body = {"prompt": [[5, 6, 7]] * 10_000 + [[8]], "stop": ["\u00e9\U0001f600"]}
+    request = CompletionRequest.model_validate(json.loads(json.dumps(body)))
+    assert len(request.prompt) == 10_001 and request.stop == ["\u00e9\U0001f600"]
+
+
 def test_lone_surrogates_in_chat_messages_are_refused() -> None:
     for message in (
         {"role": "user", "content": "\ud800"},
         {"role": "\ud800", "content": "x"},
         {"role": "user", "content": [{"type": "text", "text": "\ud800"}]},
         {"role": "user", "content": "x", "name": "\ud800"},  # handed to the template as is
+        {"role": "assistant", "tool_calls": [{"function": {"arguments": ["\udfff"]}}]},
     ):
         with pytest.raises(ValidationError, match="surrogate"):
             ChatCompletionRequest.model_validate({"messages": [message]})
@@ -166,6 +174,7 @@ def test_a_request_beyond_the_queue_bounds_is_a_400() -> None:
         vocab_size=100, max_model_len=4096, max_waiting_requests=0, max_waiting_tokens=1000
     )
     state = SimpleNamespace(info=info)
+    state.check_count = lambda num, param: ServerState.check_count(state, num, param)
     ServerState.check_prompts(state, [[5] * 900], "prompt")  # one prompt: admitted when idle
     ServerState.check_prompts(state, [[5] * 500, [6] * 500], "prompt")
     with pytest.raises(APIError) as refused:
