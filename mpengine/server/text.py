@@ -74,7 +74,9 @@ class TextTools:
         extra: dict[str, Any] | None = None,
     ) -> str:
         if self.template is None:
-            raise bad_request("the model has no chat template: use /v1/completions", "messages")
+            raise bad_request(
+                "the model has no chat template: send a prompt, not messages", "messages"
+            )
         if continue_final_message and add_generation_prompt:
             raise bad_request(
                 "continue_final_message and add_generation_prompt exclude each other",
