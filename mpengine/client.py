@@ -55,6 +55,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from mpengine.addresses import WILDCARD_HOSTS, split_tcp
 from mpengine.errors import (
     ClientClosedError,
     EngineDeadError,
@@ -108,7 +109,6 @@ _MONITOR_EVENTS = (
 )
 HELLO_RETRY_S = 0.1  # the first wait for a hello's answer before connecting again
 HELLO_RETRY_MAX_S = 2.0
-_WILDCARD_HOSTS = {"", "*", "0.0.0.0", "[::]", "::", "[*]"}
 
 
 def token_array(prompt: Sequence[int]) -> Array:
@@ -346,22 +346,14 @@ def _context() -> zmq.Context:
         return _shared_context
 
 
-def _split_tcp(address: str) -> tuple[str, str] | None:
-    """``tcp://HOST:PORT`` as ``(HOST, PORT)`` (IPv6 hosts keep their brackets)."""
-    if not address.startswith("tcp://"):
-        return None
-    host, _, port = address[len("tcp://") :].rpartition(":")
-    return host, port
-
-
 def connectable(address: str) -> str:
     """An address a client can connect to: a wildcard tcp host (an engine's bind address,
     ``tcp://*:5555``) means this host; ``ipc://DIR``, the directory an engine was given as
     its address, means its request socket ``ipc://DIR/requests.sock``."""
     if address.startswith("ipc://") and os.path.isdir(address[len("ipc://") :]):
         return address.rstrip("/") + "/requests.sock"
-    parts = _split_tcp(address)
-    if parts is None or parts[0] not in _WILDCARD_HOSTS:
+    parts = split_tcp(address)
+    if parts is None or parts[0] not in WILDCARD_HOSTS:
         return address
     loopback = "[::1]" if parts[0].startswith("[") or parts[0] == "::" else "127.0.0.1"
     return f"tcp://{loopback}:{parts[1]}"
@@ -371,10 +363,10 @@ def output_address(request_address: str, advertised: str) -> str:
     """Where to connect for outputs: the engine's advertised output address, except that a
     wildcard host (the engine binds every interface, ``tcp://*:5556``) becomes the host this
     client reached the engine at for requests."""
-    out = _split_tcp(advertised)
-    if out is None or out[0] not in _WILDCARD_HOSTS:
+    out = split_tcp(advertised)
+    if out is None or out[0] not in WILDCARD_HOSTS:
         return advertised
-    request = _split_tcp(request_address)
+    request = split_tcp(request_address)
     return connectable(advertised) if request is None else f"tcp://{request[0]}:{out[1]}"
 
 
@@ -456,7 +448,7 @@ class _Dealer:
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.SNDHWM, 0)
             self.sock.setsockopt(zmq.RCVHWM, 0)
-            tcp = _split_tcp(address)
+            tcp = split_tcp(address)
             if tcp is not None:
                 self.sock.setsockopt(zmq.HEARTBEAT_IVL, TCP_HEARTBEAT_MS)
                 self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, TCP_HEARTBEAT_TIMEOUT_MS)

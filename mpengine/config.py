@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from mpengine.addresses import check_engine_address
+
 Runtime = Literal["processes", "serial", "threads"]
 
 GiB = 1 << 30
@@ -64,8 +66,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if self.trace and not os.path.isdir(folder := os.path.dirname(os.path.abspath(self.trace))):
             # Found out at start, not when the stages write their parts at the end.
             raise ValueError(f"trace: the folder {folder!r} does not exist")
-        if self.address and not self.address.startswith(("ipc://", "tcp://")):
-            raise ValueError(f"address must be ipc://DIR or tcp://HOST:PORT, got {self.address!r}")
+        if self.address:
+            check_engine_address(self.address)
         # A request is announced to the output processor in one ring frame.
         if self.ring_bytes < self.max_request_bytes + ANNOUNCE_SLACK:
             raise ValueError(

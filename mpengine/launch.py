@@ -48,6 +48,7 @@ from typing import TypeVar
 
 import msgspec
 
+from mpengine.addresses import split_tcp
 from mpengine.client import AsyncClient, Client
 from mpengine.config import EngineConfig
 from mpengine.errors import EngineDeadError, EngineStartError
@@ -124,11 +125,14 @@ def private_dir(path: str) -> str:
     """
     path = os.path.normpath(path)
     parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    st = os.lstat(path)
+    try:
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        st = os.lstat(path)
+    except OSError as exc:
+        raise EngineStartError(f"cannot create ipc directory {path}: {exc.strerror}") from None
     euid = os.geteuid()
     problem = None
     if stat.S_ISLNK(st.st_mode):
@@ -311,9 +315,9 @@ class Engine:
         """tcp: requests on PORT, outputs on PORT+1 (a port in use fails the stage binding
         it). ipc: the sockets in a private directory that this engine alone serves."""
         address = self.config.address
-        if address and address.startswith("tcp://"):
-            host, port = address.rsplit(":", 1)
-            return Wiring(f"{host}:{port}", f"{host}:{int(port) + 1}")
+        if (tcp := split_tcp(address or "")) is not None:  # checked by EngineConfig
+            host, port = tcp
+            return Wiring(f"tcp://{host}:{port}", f"tcp://{host}:{int(port) + 1}")
         base = private_dir(address[len("ipc://") :]) if address else self.runtime_dir
         self._lock_fd = lock_dir(base)
         self._ipc_dir = base
@@ -322,10 +326,16 @@ class Engine:
     def _create_segments(self) -> Wiring:
         engine_id, size = self.config.engine_id, self.config.ring_bytes
         rings = {}
-        for purpose in ("plan", "result", "feedback", "announce"):
-            rings[purpose] = Ring.create(engine_id, purpose, size)
-            self._segments.append(rings[purpose])  # tracked at once: unlinked if a later fails
-        done = Lockstep.create(engine_id, "done")
+        try:
+            for purpose in ("plan", "result", "feedback", "announce"):
+                rings[purpose] = Ring.create(engine_id, purpose, size)
+                self._segments.append(rings[purpose])  # tracked at once: unlinked if a later fails
+            done = Lockstep.create(engine_id, "done")
+        except FileExistsError as exc:
+            raise EngineStartError(
+                f"engine_id {engine_id!r} is in use by another engine ({exc}): give each "
+                "engine its own id, or none"
+            ) from None
         self._segments.append(done)
         return msgspec.structs.replace(
             self.wiring,
@@ -445,7 +455,9 @@ class Engine:
 
     def drain(self, timeout: float = DRAIN_TIMEOUT_S) -> bool:
         """Stop admitting, wait up to ``timeout`` seconds for the admitted requests to
-        finish, then abort the rest. Whether all finished in time. The engine still runs."""
+        finish, then abort the rest. Whether all finished in time. The engine still runs
+        (stats, the clients' connections) but refuses new requests from then on: a drain
+        precedes a shutdown."""
         self.stop_admitting()
         with self.client() as client:
             finished = wait_until_idle(client, timeout)

@@ -15,6 +15,7 @@ import os
 import msgspec
 import zmq
 
+from mpengine.addresses import listens_ipv6
 from mpengine.protocol import (
     AddRequest,
     OutputBatch,
@@ -53,6 +54,8 @@ def bind_router(
         from mpengine.runtime.auth import secure_server
 
         secure_server(sock, auth_token)
+    if listens_ipv6(address):
+        sock.setsockopt(zmq.IPV6, 1)
     sock.bind(address)
     return sock
 

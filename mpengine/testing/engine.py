@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 from mpengine.client import Client
@@ -21,3 +22,19 @@ def wait_idle(client: Client, timeout: float = 10.0) -> EngineStats:
         if time.monotonic() > deadline:
             raise TimeoutError(f"engine not idle after {timeout} s: {stats}")
         time.sleep(0.01)
+
+
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port P with P + 1 also free on ``host`` (a ``tcp://`` engine binds both: requests
+    and outputs). Raises OSError when ``host`` cannot be bound at all (no IPv6)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(50):
+        with socket.socket(family) as a, socket.socket(family) as b:
+            a.bind((host, 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind((host, port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no two consecutive free ports on {host}")

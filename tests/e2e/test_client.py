@@ -12,9 +12,9 @@ import asyncio
 import gc
 import os
 import queue
+import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -46,7 +46,7 @@ from mpengine.protocol import (
     client_request_decoder,
     encoder,
 )
-from mpengine.testing.engine import wait_idle
+from mpengine.testing.engine import free_port_pair, wait_idle
 
 PROMPT = "The old lighthouse keeper looked at the sea and said"
 LONG = SamplingParams(max_tokens=2000, temperature=1.0, ignore_eos=True)
@@ -558,21 +558,6 @@ def test_duplicate_client_id_fails_fast(engine, client):
 # -- tcp and authentication ------------------------------------------------------------------
 
 
-def free_port_pair() -> int:
-    """A port P with P + 1 also free (for requests and outputs)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no free port pair")
-
-
 @pytest.fixture(scope="module")
 def remote(start_engine):
     """An engine on every interface with an auth token, as a remote client would see it."""
@@ -593,6 +578,37 @@ def test_tcp_wildcard_engine_serves_text_prompts(remote):
         ids = near.tokenize(PROMPT)
         assert out.prompt_token_ids == ids
         assert near.generate(ids, params, timeout=60).token_ids == out.token_ids
+
+
+def test_an_ipv6_engine_serves(start_engine) -> None:
+    """The engine's sockets bind IPv6 hosts (they failed with "No such device")."""
+    try:
+        port = free_port_pair("::1")
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    engine = start_engine(model="tiny", address=f"tcp://[::1]:{port}", num_gpu_blocks_override=64)
+    with mpengine.Client(engine.address, timeout=10) as client:
+        assert client._conn.output_address == f"tcp://[::1]:{port + 1}"
+        assert len(client.generate([1, 2, 3], SamplingParams(max_tokens=2)).token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("tcp://127.0.0.1", "tcp://HOST:PORT"),
+        ("tcp://127.0.0.1:abc", "tcp://HOST:PORT"),
+        ("tcp://:5555", "tcp://HOST:PORT"),
+        ("tcp://127.0.0.1:0", "out of range"),
+        ("tcp://127.0.0.1:65535", "out of range"),
+        ("tcp://127.0.0.1:99999", "out of range"),
+        ("tcp://::1:5555", "brackets"),
+        ("ipc://", "no directory"),
+        ("http://x:1", "ipc://DIR or tcp://HOST:PORT"),
+    ],
+)
+def test_bad_addresses_are_refused_in_one_line(address: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mpengine.EngineConfig(address=address)
 
 
 @pytest.mark.parametrize("token", ["wrong", None])

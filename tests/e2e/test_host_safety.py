@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import pytest
 
 import mpengine
 from mpengine import EngineStartError, SamplingParams
+from mpengine.testing.engine import free_port_pair
 from shm import make_name
 from tests.e2e.conftest import leftovers
 
@@ -122,20 +122,6 @@ def test_second_engine_on_a_served_ipc_address_is_refused(
         first.shutdown()
 
 
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1 (the engine binds both)."""
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    pytest.fail("no two consecutive free ports")
-
-
 def test_second_engine_on_a_served_tcp_address_is_refused(
     start_engine: Callable[..., mpengine.Engine],
 ) -> None:
@@ -149,6 +135,24 @@ def test_second_engine_on_a_served_tcp_address_is_refused(
         assert serves(first)
     finally:
         first.shutdown()
+
+
+def test_a_second_engine_with_the_same_id_is_refused(
+    start_engine: Callable[..., mpengine.Engine],
+) -> None:
+    engine_id = new_id()
+    first = start_engine(engine_id=engine_id, **CONFIG)
+    error = refused(engine_id=engine_id)
+    assert f"engine_id {engine_id!r} is in use" in str(error), error
+    assert serves(first)
+
+
+def test_an_ipc_dir_that_cannot_be_made_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    engine_id = new_id()
+    error = refused(address=f"ipc://{tmp_path}/file/engine", engine_id=engine_id)
+    assert str(error).startswith(f"cannot create ipc directory {tmp_path}/file/engine"), error
+    assert_left_nothing(engine_id)
 
 
 def test_world_writable_ipc_dir_is_refused(tmp_path: Path) -> None:
