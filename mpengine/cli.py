@@ -32,6 +32,7 @@ from mpengine.runtime.diagnose import (
     check_address,
     cmd_stacks,
     cmd_top,
+    positive_float,
 )
 from mpengine.server.options import add_serve_args
 
@@ -314,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         "duty, each stage's ms per step, its waits on each ring and the lockstep counter)",
     )
     stats.add_argument("address", help="the engine's request address (ipc://... or tcp://...)")
-    stats.add_argument("--timeout", type=float, default=10.0)
+    stats.add_argument("--timeout", type=positive_float, default=10.0)
     stats.add_argument("--auth-token", default=None, help="the engine's auth token, if any")
     stats.set_defaults(func=cmd_stats)
     return parser

@@ -110,7 +110,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA device")
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
     return torch.device(name)
 
 

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -75,12 +76,17 @@ def find_engine(address: str | None = None, pid: int | None = None) -> EnginePro
         record = read_engine_file(directory)
         if record is None:
             raise FileNotFoundError(f"no running engine found at {address} ({ENGINE_FILE})")
-        return EngineProcesses(
-            launcher_pid=int(record["pid"]),
-            runtime_dir=record.get("runtime_dir"),
-            stages={name: int(p) for name, p in record.get("stages", {}).items()},
-            http=record.get("http"),
-        )
+        launcher = int(record["pid"])
+        recorded = {name: int(p) for name, p in record.get("stages", {}).items()}
+        # A launcher killed outright leaves its record behind, and its pids may have been
+        # reused: only live stages of that launcher are signalled.
+        stages = {name: p for name, p in recorded.items() if _is_stage(p, name, launcher)}
+        if not stages:
+            raise ProcessLookupError(
+                f"no running engine at {address}: its {ENGINE_FILE} is left from an engine "
+                f"(launcher pid {launcher}) that is gone"
+            )
+        return EngineProcesses(launcher, record.get("runtime_dir"), stages, record.get("http"))
     if pid is None:
         raise ValueError("give an engine address or a pid")
     title = process_title(pid)
@@ -96,6 +102,14 @@ def find_engine(address: str | None = None, pid: int | None = None) -> EnginePro
         raise ProcessLookupError(f"process {pid} is not an mpengine launcher or stage")
     runtime_dir = next(filter(None, map(_stack_file_dir, stages.values())), None)
     return EngineProcesses(launcher, runtime_dir, stages)
+
+
+def _is_stage(pid: int, name: str, launcher: int) -> bool:
+    """Whether ``pid`` is the live stage ``name`` of the launcher ``launcher``."""
+    try:
+        return process_title(pid) == f"mpengine: {name}" and _parent(pid) == launcher
+    except OSError:  # gone meanwhile
+        return False
 
 
 def _stack_file_dir(pid: int) -> str | None:
@@ -191,7 +205,10 @@ def _faulthandler_dump(runtime_dir: str | None, label: str, pid: int, timeout: f
     if not path.exists():
         return f"(no {path.name}: this process does not dump its stacks)"
     start = path.stat().st_size
-    os.kill(pid, STACKS_SIGNAL)
+    try:
+        os.kill(pid, STACKS_SIGNAL)
+    except ProcessLookupError:
+        return "(the process has exited)"
     deadline = time.monotonic() + timeout
     size, changed = start, time.monotonic()
     while time.monotonic() < deadline:
@@ -297,7 +314,10 @@ def add_stacks_args(parser: argparse.ArgumentParser) -> None:
         help="use the stages' own dumps even if py-spy is installed",
     )
     parser.add_argument(
-        "--timeout", type=float, default=DUMP_TIMEOUT_S, help="seconds to wait for each dump"
+        "--timeout",
+        type=positive_float,
+        default=DUMP_TIMEOUT_S,
+        help="seconds to wait for each dump",
     )
 
 
@@ -316,9 +336,25 @@ def cmd_stacks(args: argparse.Namespace) -> int:
 
 def add_top_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("address", help="the engine's request address (ipc://... or tcp://...)")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    parser.add_argument(
+        "--interval", type=positive_float, default=1.0, help="seconds between refreshes"
+    )
     parser.add_argument("--once", action="store_true", help="print one screen and exit")
     parser.add_argument("--auth-token", default=None, help="the engine's auth token, if any")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=10.0, help="seconds to wait for the engine"
+    )
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number of seconds above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
 
 
 def check_address(address: str) -> None:
@@ -329,8 +365,18 @@ def check_address(address: str) -> None:
     if not address.startswith(("ipc://", "tcp://")):
         raise SystemExit(f"mpengine: {address!r} is not an ipc:// or tcp:// address")
     path = connectable(address).removeprefix("ipc://")
-    if address.startswith("ipc://") and not os.path.exists(path):
+    if not address.startswith("ipc://"):
+        return
+    if not os.path.exists(path):
         raise SystemExit(f"mpengine: no engine at {address}: {path} does not exist")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:  # a socket file left by an engine that was killed
+            raise SystemExit(f"mpengine: no engine at {address}: nothing listens there") from None
+        except OSError:
+            pass  # the client's own attempt will say what is wrong
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -338,7 +384,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     from mpengine.client import Client
 
     check_address(args.address)
-    with Client(args.address, auth_token=args.auth_token) as client:
+    with Client(args.address, timeout=args.timeout, auth_token=args.auth_token) as client:
         title = f"mpengine top  {client.info.model}  ({client.info.runtime}, {args.address})"
         before = take_sample(client)
         try:

@@ -77,10 +77,12 @@ def run_stage(
             raise ValueError(f"unknown stage {stage!r}")
         run(config, wiring, control, stop)
     except BaseException as exc:
-        if not control.started and isinstance(exc, ValueError | OSError | zmq.ZMQError):
+        if not control.started and isinstance(
+            exc, ValueError | OSError | zmq.ZMQError | MemoryError
+        ):
             # What a user gave that cannot work (an unknown model, a missing file, a cache
-            # too small, an address in use): the launcher reports it in one line; the
-            # traceback is for --log-level DEBUG.
+            # too small or too large for the machine, an address in use): the launcher
+            # reports it in one line; the traceback is for --log-level DEBUG.
             logger.debug("%s cannot start:\n%s", stage, traceback.format_exc())
         else:
             logger.error("%s stopped by an error:\n%s", stage, traceback.format_exc())

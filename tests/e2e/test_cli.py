@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 import mpengine
@@ -121,10 +122,8 @@ def test_refused_requests_and_unreachable_engines_fail_in_one_line(tmp_path, cap
     stale = tmp_path / "stale.sock"  # a socket file nobody listens on
     with socket.socket(socket.AF_UNIX) as listener:
         listener.bind(str(stale))
-    assert main(["stats", f"ipc://{stale}", "--timeout", "0.5"]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("mpengine: no answer from an engine at ipc://") and "Traceback" not in err
     for argv, message in [
+        (["stats", f"ipc://{stale}", "--timeout", "0.5"], "nothing listens there"),
         (["stats", f"ipc://{tmp_path}/nobody"], f"{tmp_path}/nobody does not exist"),
         (["stats", "garbage"], "'garbage' is not an ipc:// or tcp:// address"),
         (["stacks", "garbage"], "'garbage' is not an ipc:// address"),
@@ -138,6 +137,11 @@ def test_refused_requests_and_unreachable_engines_fail_in_one_line(tmp_path, cap
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "unknown model 'no-such-model'" in err and "Traceback" not in err
+    if not torch.cuda.is_available():
+        argv = ["generate", "--model", "tiny", "--device", "cuda", "--runtime", "serial"]
+        assert main([*argv, "--prompt", "x"]) == 1
+        err = capsys.readouterr().err
+        assert "torch sees no CUDA device" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ import pytest
 import mpengine
 from mpengine import SamplingParams
 from mpengine.protocol import EngineStats, StageTimes
-from mpengine.runtime.diagnose import Sample, render_top, verdict
+from mpengine.runtime.diagnose import Sample, render_top, verdict, write_engine_file
 
 STAGES = ("scheduler", "executor", "output")
 WAIT_S = 30.0
@@ -116,6 +117,29 @@ def test_top_and_stats_of_no_engine_fail_at_once(tmp_path) -> None:
             cmd.append("--once")
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
         assert done.returncode != 0 and "no engine at" in done.stderr, done.stderr
+
+
+def test_a_killed_engine_s_leftovers_are_no_engine(tmp_path: Path) -> None:
+    """A launcher killed outright leaves its engine.json and socket files: ``stacks``
+    signals no recorded pid that is not a live stage of that launcher (a reused pid would
+    have been killed by the signal), and ``top`` and ``stats`` say nothing listens."""
+    directory = tmp_path / "engine"
+    directory.mkdir(mode=0o700)
+    stale = {"scheduler": os.getpid(), "executor": os.getppid()}  # alive, not stages
+    write_engine_file(str(directory), {"pid": os.getpid(), "stages": stale})
+    with socket.socket(socket.AF_UNIX) as dead:  # a socket file no one listens at
+        dead.bind(str(directory / "requests.sock"))
+    address = f"ipc://{directory}"
+    cmd = [sys.executable, "-m", "mpengine.cli"]
+    done = subprocess.run([*cmd, "stacks", address], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "is left from an engine" in done.stderr, done.stderr
+    for command in (["top", address, "--once"], ["stats", address]):
+        done = subprocess.run([*cmd, *command], capture_output=True, text=True, timeout=20)
+        assert done.returncode != 0 and "nothing listens there" in done.stderr, done.stderr
+    done = subprocess.run(
+        [*cmd, "stats", address, "--timeout", "-1"], capture_output=True, text=True, timeout=20
+    )
+    assert done.returncode == 2 and "positive number of seconds" in done.stderr, done.stderr
 
 
 def test_render_top_names_the_bottleneck() -> None:
