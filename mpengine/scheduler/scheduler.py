@@ -561,15 +561,45 @@ class Scheduler:
         return self.running[index]
 
     def _admit(self, step: int, budget: int, chunks: list, block_deltas: list) -> int:
-        # Resume preempted sequences first (their in-flight tokens must be confirmed: the
-        # recompute needs every token id).
-        while self.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            # The oldest (of the highest priority) that can resume: one with a token still
-            # in flight waits for it (a beam, for its whole beam step), without holding up
-            # the others.
+        """Resume preempted sequences and admit waiting requests, in turn by priority (a
+        preempted sequence goes back among the waiting requests, before those of its own
+        priority; under first-come-first-served, before them all). A sequence or request
+        that does not fit ends the turns: nothing behind it overtakes it."""
+        while budget > 0:
+            request = self._first_waiting()
+            preempted_turn = bool(self.preempted) and (
+                request is None
+                or min(s.request.priority for s in self.preempted) <= request.priority
+            )
+            if preempted_turn:
+                resumed = self._resume(step, budget, chunks, block_deltas)
+                if resumed is None:
+                    break
+                budget -= resumed
+            elif request is not None:
+                admitted = self._admit_request(request, step, budget, chunks, block_deltas)
+                if admitted is None:
+                    break
+                budget -= admitted
+            else:
+                break
+        return budget
+
+    def _first_waiting(self) -> Request | None:
+        """The first waiting request (dropping those aborted meanwhile), or None."""
+        while self.waiting and self.waiting[0].finished:
+            self.waiting.popleft()
+        return self.waiting[0] if self.waiting else None
+
+    def _resume(self, step: int, budget: int, chunks: list, block_deltas: list) -> int | None:
+        """Resume the most urgent (then oldest) preempted sequence that can; the tokens it
+        takes this step, or None when it cannot now. Its in-flight tokens must be confirmed
+        first (the recompute needs every token id): one with a token still in flight waits
+        for it (a beam, for its whole beam step), without holding up the others."""
+        while len(self.running) < self.max_num_seqs:
             ready = [s for s in self.preempted if not s.num_inflight]
             if not ready:
-                break
+                return None
             seq = min(ready, key=lambda s: s.request.priority) if self.by_priority else ready[0]
             if seq.host_block_ids:
                 num_tokens, need = self._swap_in_place(seq, budget)
@@ -578,45 +608,44 @@ class Scheduler:
             if num_tokens == 0:
                 if self._preempt_waiting_beam():
                     continue  # its blocks may be enough now
-                break
+                return None
             self.preempted.remove(seq)
             seq.status = Status.RUNNING
             self._enqueue(self.running, seq, seq.request.priority)
             self._grow(seq, need, block_deltas)
             self._take(seq, num_tokens, chunks)
-            budget -= num_tokens
             logger.debug("step %d: resumed seq %d (%d tokens)", step, seq.seq_id, len(seq))
-        if self.preempted:
-            return budget
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
-            if request.finished:  # aborted while waiting
-                self.waiting.popleft()
-                continue
-            if len(self.running) + len(request.seqs) > self.max_num_seqs:
-                break
-            parent = request.seqs[0]
-            params_bytes = FrameLimits.request_params_bytes(
-                request.num_prompt_tokens, request.sends_prompt
-            )
-            # Keep room for the siblings' own tail blocks so admitting does not preempt.
-            reserve = (len(request.seqs) - 1) * 2
-            num_tokens, need = self._place(parent, budget, params_bytes, reserve)
-            if num_tokens == 0:
-                break
-            self.waiting.popleft()
-            self.num_waiting_requests -= 1
-            self.num_waiting_tokens -= request.num_prompt_tokens
-            self.counters["admitted"] += 1
-            self._announce(request)
-            for seq in request.seqs:
-                seq.status = Status.RUNNING
-                self._enqueue(self.running, seq, request.priority)
-            self._grow(parent, need, block_deltas)
-            self._take(parent, num_tokens, chunks)
-            budget -= num_tokens
-            logger.debug("step %d: admitted %s", step, request.request_id)
-        return budget
+            return num_tokens
+        return None
+
+    def _admit_request(
+        self, request: Request, step: int, budget: int, chunks: list, block_deltas: list
+    ) -> int | None:
+        """Admit the first waiting request; the tokens it takes this step, or None when it
+        does not fit now."""
+        if len(self.running) + len(request.seqs) > self.max_num_seqs:
+            return None
+        parent = request.seqs[0]
+        params_bytes = FrameLimits.request_params_bytes(
+            request.num_prompt_tokens, request.sends_prompt
+        )
+        # Keep room for the siblings' own tail blocks so admitting does not preempt.
+        reserve = (len(request.seqs) - 1) * 2
+        num_tokens, need = self._place(parent, budget, params_bytes, reserve)
+        if num_tokens == 0:
+            return None
+        self.waiting.popleft()
+        self.num_waiting_requests -= 1
+        self.num_waiting_tokens -= request.num_prompt_tokens
+        self.counters["admitted"] += 1
+        self._announce(request)
+        for seq in request.seqs:
+            seq.status = Status.RUNNING
+            self._enqueue(self.running, seq, request.priority)
+        self._grow(parent, need, block_deltas)
+        self._take(parent, num_tokens, chunks)
+        logger.debug("step %d: admitted %s", step, request.request_id)
+        return num_tokens
 
     def _preempt_waiting_beam(self) -> bool:
         """Preempt the most recent running beam that holds blocks while it waits for its

@@ -289,6 +289,52 @@ def test_priority_policy_orders_admission_and_preemption():
         fcfs.add_request(AddRequest("p", Array.of([10]), SamplingParams(), priority=1), "c")
 
 
+def test_an_urgent_request_is_not_held_behind_a_less_urgent_preempted_one():
+    """A preempted sequence goes back among the waiting requests by its priority: one that
+    does not fit yet must not keep a more urgent request that fits from starting."""
+    config = EngineConfig(
+        block_size=4, max_num_seqs=4, max_num_batched_tokens=64, scheduling_policy="priority"
+    )
+    sched = Scheduler(config, num_blocks=12, vocab_size=VOCAB, max_model_len=512)
+    executor, output = FakeExecutor(4, VOCAB), FakeOutput(eos=-1)  # no early stop
+
+    def submit(request_id: str, priority: int, num_prompt: int, max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        prompt = Array.of(list(range(10, 10 + num_prompt)))
+        add = AddRequest(request_id, prompt, params, priority=priority)
+        sched.add_request(add, "c")
+
+    def step() -> list[str]:
+        plan = sched.schedule(feedback)
+        feedback.clear()
+        for ann in sched.take_announcements():  # on admission
+            for seq_id in ann.seq_ids:
+                output.add(seq_id, ann.sampling.max_tokens)
+        if plan is not None:
+            feedback.append(output.process(executor.execute(plan)))
+        return sorted({s.request.request_id for s in sched.running})
+
+    feedback: list = []
+    submit("low1", 5, 3, 40)  # 11 and 12 blocks at the end, of 12
+    submit("low2", 5, 8, 40)
+    for _ in range(100):
+        step()
+        if sched.preempted:
+            break
+    (low2,) = sched.preempted
+    assert low2.request.request_id == "low2"
+    # low2 needs more blocks than are free; the urgent request's one block is free.
+    assert sched.blocks.blocks_for(len(low2)) > sched.blocks.num_free >= 1
+    submit("urgent", 0, 3, 1)
+    assert "urgent" in step()
+    for _ in range(200):
+        step()
+        if not sched.has_unfinished:
+            break
+    assert output.finished == {0: "length", 1: "length", 2: "length"}
+    sched.blocks.check()
+
+
 def test_block_manager_refcounts():
     bm = BlockManager(4, 16)
     a = bm.allocate(2)
