@@ -132,7 +132,8 @@ HELP = {
     "one process (a comparison: they share the GIL)",
     "async_depth": "how many steps the scheduler may run ahead of output processing (0 or 1)",
     "block_size": "tokens per KV cache block",
-    "kv_cache_bytes": "KV cache size on the CPU (default 1 GiB)",
+    "kv_cache_bytes": "KV cache size on the CPU (default 1 GiB; its memory is taken as its "
+    "blocks are first used, so the executor's RSS grows up to it under load)",
     "gpu_memory_utilization": "fraction of the GPU's total memory this engine may use: weights, "
     "activations and KV cache (CUDA only)",
     "num_gpu_blocks_override": "exact number of KV blocks, overriding the byte sizing",
