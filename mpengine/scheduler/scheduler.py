@@ -510,6 +510,7 @@ class Scheduler:
                 preempted_now = True
                 if victim is seq:
                     break
+                index = self.running.index(seq)  # a waiting beam before it may have gone
             if seq.status is not Status.RUNNING:
                 break  # it was the victim itself: nothing later in the list remains
             self._grow(seq, need, block_deltas)
@@ -554,11 +555,13 @@ class Scheduler:
 
     def _victim(self, index: int) -> Sequence:
         """The most recently admitted running sequence after ``index`` that holds blocks
-        (preempting one without blocks frees nothing), else the one at ``index`` itself."""
+        (preempting one without blocks frees nothing), else a beam that holds blocks while
+        it waits for its beam step (it cannot move before its group does), else the one at
+        ``index`` itself."""
         for victim in reversed(self.running[index + 1 :]):
             if victim.block_ids:
                 return victim
-        return self.running[index]
+        return self._waiting_beam(exclude=self.running[index]) or self.running[index]
 
     def _admit(self, step: int, budget: int, chunks: list, block_deltas: list) -> int:
         """Resume preempted sequences and admit waiting requests, in turn by priority (a
@@ -604,7 +607,7 @@ class Scheduler:
             if seq.host_block_ids:
                 num_tokens, need = self._swap_in_place(seq, budget)
             else:
-                num_tokens, need = self._place(seq, budget, 0, 0)
+                num_tokens, need = self._place(seq, budget, 0, 0, whole=True)
             if num_tokens == 0:
                 if self._preempt_waiting_beam():
                     continue  # its blocks may be enough now
@@ -652,19 +655,33 @@ class Scheduler:
         beam step (it computed its last token; its group waits on beams that cannot run):
         without this, such beams can hold every block while the ones their step needs are
         preempted, and no one moves. True if one was preempted."""
-        for victim in reversed(self.running):
-            if victim.block_ids and victim.num_inflight and victim.request.beam_search:
-                self._preempt(victim)
-                return True
-        return False
+        victim = self._waiting_beam()
+        if victim is not None:
+            self._preempt(victim)
+        return victim is not None
 
-    def _place(self, seq: Sequence, budget: int, extra_bytes: int, reserve: int) -> tuple[int, int]:
+    def _waiting_beam(self, exclude: Sequence | None = None) -> Sequence | None:
+        """The most recent running beam other than ``exclude`` that holds blocks while it
+        waits for its beam step."""
+        for seq in reversed(self.running):
+            waits = seq.num_inflight and seq.request.beam_search
+            if waits and seq.block_ids and seq is not exclude:
+                return seq
+        return None
+
+    def _place(
+        self, seq: Sequence, budget: int, extra_bytes: int, reserve: int, whole: bool = False
+    ) -> tuple[int, int]:
         """Make room for a sequence without blocks (admitted or resumed): reuse its longest
         cached prefix, then size its first chunk. Returns ``(tokens, new blocks needed)``,
-        or ``(0, 0)`` with nothing taken when it does not fit this step."""
+        or ``(0, 0)`` with nothing taken when it does not fit this step. ``whole``: only if
+        the blocks of all its tokens are free, not just its first chunk's (a recompute that
+        would run out of blocks half-way preempts itself again, and again)."""
         num_cached = self._reuse_cached(seq)
         num_tokens = self._chunk_size(seq, budget)
         need = self._blocks_needed(seq, num_tokens) - num_cached
+        if whole:
+            reserve += max(self.blocks.blocks_for(len(seq)) - num_cached - need, 0)
         # The siblings' room is a wish, not a condition: where the whole cache cannot hold
         # it beside this chunk, the samples take turns instead of the request waiting
         # forever (with every later request behind it).

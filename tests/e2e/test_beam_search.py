@@ -109,3 +109,27 @@ def test_beam_search_is_not_streamed_and_is_checked(engine):
         assert client.generate([1, 2, 3], beams, timeout=TIMEOUT).outputs[0].token_ids
         stats = wait_idle(client)
         assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_beams_beside_a_long_recompute_do_not_livelock(start_engine):
+    """A beam group waiting on a preempted beam held blocks that a preempted request's
+    recompute then needed half-way: that request preempted itself, resumed first again, and
+    the engine ran steps forever. A resume now waits for room for its whole context, and a
+    sequence out of blocks preempts a waiting beam before itself."""
+    engine = start_engine(
+        model="tiny", num_gpu_blocks_override=12, max_num_seqs=32, max_num_batched_tokens=40
+    )
+    prompts = [list(range(100, 142)), list(range(300, 343)), [606]]
+    params = [
+        SamplingParams(max_tokens=13, ignore_eos=True, use_beam_search=True, beam_width=3),
+        SamplingParams(
+            max_tokens=30, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.3
+        ),
+        SamplingParams(max_tokens=29, ignore_eos=True, temperature=0.0),
+    ]
+    with engine.client(timeout=TIMEOUT) as client:
+        for _ in range(5):
+            outs = client.generate_many(prompts, params, timeout=60)  # 0.1 s each here
+            assert [len(o.token_ids) for o in outs] == [13, 30, 29]
+        stats = wait_idle(client)
+    assert stats.preemptions > 0 and stats.num_free_blocks == stats.num_blocks
