@@ -126,6 +126,9 @@ def build_app(state: ServerState) -> FastAPI:
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", "prompt")
+        if body.chat_template is not None:
+            message = "chat_template in a request is not accepted: the model's own is used"
+            raise APIError(400, message, "chat_template")
         if body.messages is not None:
             chat = ChatCompletionRequest(
                 messages=body.messages,
@@ -136,7 +139,7 @@ def build_app(state: ServerState) -> FastAPI:
             ids = await chat_prompt(state, chat)
         else:
             (ids,) = await state.text.encode([body.prompt or ""], body.add_special_tokens)
-        strs = [state.text.token_text(t) for t in ids] if body.return_token_strs else None
+        strs = state.text.token_strs(ids) if body.return_token_strs else None
         return _json(TokenizeResponse(len(ids), state.info.max_model_len, ids, strs))
 
     @app.post("/detokenize")

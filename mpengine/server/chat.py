@@ -39,9 +39,11 @@ from mpengine.server.text import message_dicts
 async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     """The token ids of the rendered conversation."""
     extra = dict(body.chat_template_kwargs or {})
+    # As vLLM, chat_template_kwargs may say add_generation_prompt too, and win.
+    add_generation_prompt = bool(extra.pop("add_generation_prompt", body.add_generation_prompt))
     text = state.text.render_chat(
         message_dicts(body.messages),
-        body.add_generation_prompt and not body.continue_final_message,
+        add_generation_prompt and not body.continue_final_message,
         body.continue_final_message,
         extra,
     )

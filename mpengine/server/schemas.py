@@ -210,11 +210,17 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's; refused: the model's own template is used
     echo: bool = False
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
     def misuse(self) -> tuple[str, str] | None:
+        if self.chat_template is not None:
+            return (
+                "chat_template in a request is not accepted: the model's own is used",
+                "chat_template",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs: true", "top_logprobs"
         if self.stream and self.prompt_logprobs is not None:
@@ -230,6 +236,7 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused, as for chat completions
     return_token_strs: bool = False
 
 

@@ -5,8 +5,10 @@ The front end runs beside the engine, so it reads the engine's tokenizer directo
 import, no torch in this process) and the chat template from ``chat_template.jinja`` or
 ``tokenizer_config.json``, rendered with jinja2 the way transformers renders it (a
 sandboxed environment, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
-``strftime_now``, a ``tojson`` that keeps non-ASCII). A rendered template already holds the
-model's special tokens, so it is encoded without adding any.
+``strftime_now``, transformers' ``tojson`` and ``{% generation %}``; the special tokens,
+``tools`` and ``documents`` as variables; reasoning under each of its names; a final
+message continued where a tag placed after its text ends up). A rendered template already
+holds the model's special tokens, so it is encoded without adding any.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from mpengine.server.errors import bad_request
 
 logger = logging.getLogger(__name__)
 
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # marks the end of a message to continue
+
 
 class TextTools:
     def __init__(self, tokenizer_dir: str) -> None:
@@ -37,9 +41,13 @@ class TextTools:
             as_transformers_encodes(Tokenizer.from_file(str(path))) if path.exists() else None
         )
         config = _read_json(directory / "tokenizer_config.json")
-        self.special_tokens = {
-            name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")
+        # What transformers hands a template besides the messages (its special tokens map).
+        self.special_tokens: dict[str, Any] = {
+            name: _token_text(config.get(name))
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
+        if isinstance(extra_tokens := config.get("additional_special_tokens"), list):
+            self.special_tokens["additional_special_tokens"] = list(map(_token_text, extra_tokens))
         self.template = _load_template(directory, config)
 
     # -- tokens ------------------------------------------------------------------------------
@@ -57,6 +65,12 @@ class TextTools:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._require_tokenizer().decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """The tokens as the vocabulary spells them (``"Ġworld"`` in a byte-level BPE), as
+        vLLM's ``/tokenize`` returns them (``convert_ids_to_tokens``)."""
+        tokenizer = self._require_tokenizer()
+        return [tokenizer.id_to_token(t) or "" for t in token_ids]
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 (one instance per server)
     def token_text(self, token_id: int) -> str:
@@ -82,7 +96,21 @@ class TextTools:
                 "continue_final_message and add_generation_prompt exclude each other",
                 "continue_final_message",
             )
+        messages = [_alias_reasoning(message) for message in messages]
+        if continue_final_message:
+            # Mark where the final message's text ends, render, and cut there: the model
+            # continues it (transformers' way, which a search for the text gets wrong when
+            # the text is empty, trimmed by the template, or appears again after it).
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str):
+                raise bad_request(
+                    "continue_final_message needs a final message with text content",
+                    "continue_final_message",
+                )
+            messages[-1] = {**messages[-1], "content": final + CONTINUE_TAG}
         context = {
+            "tools": None,
+            "documents": None,
             **self.special_tokens,
             **(extra or {}),
             "messages": messages,
@@ -90,14 +118,20 @@ class TextTools:
         }
         try:
             text = self.template.render(**context)
-        except jinja2.TemplateError as exc:
+        except Exception as exc:  # raise_exception, undefined names, a filter's TypeError...
             raise bad_request(f"the chat template failed: {exc}", "messages") from None
-        if continue_final_message and messages:
-            # End where the last message's text ends: the model continues it.
-            last = str(messages[-1].get("content") or "")
-            cut = text.rfind(last) if last else -1
-            if cut >= 0:
-                text = text[: cut + len(last)]
+        if continue_final_message:
+            tag = CONTINUE_TAG.strip()
+            if final.strip() not in text or tag not in text:
+                raise bad_request(
+                    "the chat template drops part of the final message: it cannot be continued",
+                    "continue_final_message",
+                )
+            cut = text.rindex(tag)
+            if text[cut : cut + len(CONTINUE_TAG)] == CONTINUE_TAG:
+                text = text[:cut]
+            else:  # the template trimmed the space after the text: so is the text's own
+                text = text[:cut].rstrip()
         return text
 
 
@@ -141,8 +175,44 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: object, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' ``tojson``: JSON without jinja's HTML escaping, its options exposed."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """A message's reasoning under every name templates read (``reasoning_content``,
+    ``thinking``), from whichever one it came in, as transformers 5 passes it."""
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` around an assistant's text: transformers
+    tracks where it lies (for training masks); rendering a prompt needs only the text."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
 
 
 def _load_template(directory: Path, config: dict[str, Any]) -> jinja2.Template | None:
@@ -154,7 +224,7 @@ def _load_template(directory: Path, config: dict[str, Any]) -> jinja2.Template |
     if not isinstance(source, str):
         return None
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

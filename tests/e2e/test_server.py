@@ -679,6 +679,7 @@ def test_bad_parameters_name_the_field(api: openai.OpenAI, server: Served) -> No
         ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
         ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {**chat, "stream_options": {}}, "stream_options"),
+        ("/v1/chat/completions", {**chat, "chat_template": "{{ 1 }}"}, "chat_template"),
         ("/v1/completions", {"prompt": "x", "stream_options": {}}, "stream_options"),
         ("/v1/completions", {"prompt": "x", "use_beam_search": True, "best_of": 99}, "best_of"),
         ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 99}, "n"),
@@ -841,7 +842,10 @@ def test_disconnect_aborts_and_frees_blocks(server: Served, ipc, stream: bool) -
 def test_tokenize_round_trip(server: Served) -> None:
     status, reply = http(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True})
     assert status == 200 and reply["count"] == len(reply["tokens"]) == len(reply["token_strs"])
-    assert "".join(reply["token_strs"]) == "Hello world" and reply["max_model_len"] == 4096
+    # The vocabulary's spellings, as vLLM returns them (a byte-level BPE marks spaces "Ġ").
+    assert "".join(reply["token_strs"]) == "HelloĠworld" and reply["max_model_len"] == 4096
+    status, refused = http(server, "/tokenize", {"prompt": "x", "chat_template": "{{ 1 }}"})
+    assert status == 400 and refused["error"]["param"] == "chat_template"
     assert http(server, "/detokenize", {"tokens": reply["tokens"]}) == (
         200,
         {"prompt": "Hello world"},

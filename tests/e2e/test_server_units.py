@@ -4,6 +4,8 @@ templates, health."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -140,6 +142,47 @@ def test_chat_template_renders_like_transformers(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(APIError, match="no chat template"):
         TextTools(str(tmp_path)).render_chat(messages)
+
+
+@pytest.mark.parametrize("final", ["|>", "\n", "end", "<", "", "The answer is "])
+def test_a_continued_final_message_ends_where_transformers_ends_it(final: str) -> None:
+    """The prompt ends where the final message's text does: not at the last place that text
+    appears (an empty or "end" message kept the end-of-turn tokens)."""
+    from transformers import AutoTokenizer
+
+    directory = resolve_model("tiny")
+    messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": final}]
+    want = AutoTokenizer.from_pretrained(directory).apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, tokenize=False
+    )
+    got = TextTools(directory).render_chat([dict(m) for m in messages], False, True)
+    assert got == want
+
+
+def test_templates_see_what_transformers_gives_them(tmp_path: Path) -> None:
+    """tojson's options, tools/documents as none, every special token, the generation tag
+    and reasoning under each name: a template using them rendered a 500 or wrong text."""
+    from transformers import AutoTokenizer
+
+    for name in os.listdir(resolve_model("tiny")):
+        shutil.copy(os.path.join(resolve_model("tiny"), name), tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["pad_token"] = config["eos_token"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if tools is not none %}{{ tools|tojson }}{% endif %}"
+        "{% for m in messages %}{{ m|tojson(sort_keys=true, separators=(',', ':')) }}"
+        "{% if m.role == 'assistant' %}{% generation %}[{{ m.reasoning_content }}]"
+        "{% endgeneration %}{% endif %}{% endfor %}{{ pad_token }}"
+    )
+    messages = [
+        {"role": "user", "content": "é"},
+        {"role": "assistant", "content": "x", "reasoning": "because"},
+    ]
+    want = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        messages, tokenize=False
+    )
+    assert TextTools(str(tmp_path)).render_chat(messages, add_generation_prompt=False) == want
 
 
 def _stats(done: int, running: int) -> EngineStats:
