@@ -10,9 +10,17 @@ this engine may use, weights, activations and KV cache together (what vLLM users
    torch's allocator since step 1 (cuBLAS workspaces, loaded kernels) - an estimate of the
    CUDA graphs' memory pool (:func:`graph_pool_estimate`).
 
-Engines started together no longer race for "the memory free when I looked": each one's
-share is fixed by the total. A start that finds less free memory than its share needs fails
-with a message that says so, instead of running out of memory later.
+Each engine's share is fixed by the total, not by "the memory free when I looked". A start
+that finds less free memory than its share needs fails with a message that says so, instead
+of running out of memory later. Not yet measured on a device, and known to be short:
+- each process's CUDA context (a few hundred MiB) and what an idle device already uses lie
+  outside every share, so shares that add up to exactly 1 do not all fit (keep their sum a
+  little under 1);
+- step 3's "outside torch" is the change in the device's free memory, so another engine
+  loading meanwhile is counted as this one's (start engines one after another);
+- a step with prompt logprobs keeps a logits row per scored token, which the profile does
+  not.
+Per-process figures from NVML would fix the first two.
 """
 
 from __future__ import annotations
@@ -59,12 +67,17 @@ def kv_cache_budget(
 
 
 def graph_pool_estimate(
-    activation_peak: int, profiled_tokens: int, max_graph_batch: int, logits_row_bytes: int
+    activation_peak: int,
+    profiled_tokens: int,
+    max_graph_batch: int,
+    logits_rows: int,
+    logits_row_bytes: int,
 ) -> int:
     """What the captured decode graphs keep: activations of the largest graph batch (scaled
-    from the profiled forward's) and the logits of all its rows (graphs keep every row)."""
+    from the profiled forward's) and the logits of every captured batch size (each graph
+    keeps its own output rows: ``logits_rows`` is the sum of the sizes)."""
     share = min(1.0, max_graph_batch / max(profiled_tokens, 1))
-    return int(activation_peak * share) + max_graph_batch * logits_row_bytes
+    return int(activation_peak * share) + logits_rows * logits_row_bytes
 
 
 def profiled_num_blocks(
@@ -81,7 +94,8 @@ def profiled_num_blocks(
     weights = torch.cuda.memory_allocated(device)
     with torch.inference_mode():
         profile_forward(loaded, spec, backend, config.max_num_batched_tokens, config.max_num_seqs)
-        profile_sampler(loaded, config.max_num_seqs, config.seed)
+        if loaded.can_generate:  # an embedding model samples nothing
+            profile_sampler(loaded, config.max_num_seqs, config.seed)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     free, total = torch.cuda.mem_get_info(device)
@@ -89,15 +103,13 @@ def profiled_num_blocks(
     torch.cuda.empty_cache()
     activations = peak - weights
     graphs = 0
-    if not config.enforce_eager and backend == "triton":
+    if not config.enforce_eager and backend == "triton" and loaded.can_generate:
         from mpengine.executor.cuda_graphs import graph_batch_sizes
 
         row_bytes = loaded.vocab_size * torch.empty((), dtype=loaded.dtype).element_size()
+        sizes = graph_batch_sizes(config.max_num_seqs)
         graphs = graph_pool_estimate(
-            activations,
-            config.max_num_batched_tokens,
-            graph_batch_sizes(config.max_num_seqs)[-1],
-            row_bytes,
+            activations, config.max_num_batched_tokens, sizes[-1], sum(sizes), row_bytes
         )
     budget = kv_cache_budget(total, config.gpu_memory_utilization, peak, non_torch, graphs)
     logger.info(
@@ -134,7 +146,8 @@ def profile_forward(
 ) -> torch.Tensor:
     """One forward over ``num_tokens`` prompt tokens (as few sequences as
     ``max_model_len`` allows) on a throwaway cache that just holds them; returns the logits
-    of each sequence's last token. Runs on any device (the tests run it on the CPU)."""
+    of each sequence's last token (its hidden states, for a model without an LM head).
+    Runs on any device (the tests run it on the CPU)."""
     device, bs = loaded.device, spec.block_size
     seq_len = min(num_tokens, loaded.max_model_len)
     num_seqs = min(math.ceil(num_tokens / seq_len), max(max_num_seqs, 1))
@@ -166,14 +179,16 @@ def profile_forward(
         to(lengths),
         to(table),
     )
-    output = loaded.model(
+    last = to(first_token + lengths - 1)
+    inputs = dict(
         input_ids=torch.zeros(1, int(lengths.sum()), dtype=torch.int64, device=device),
         position_ids=to(positions)[None],
         use_cache=False,
-        logits_to_keep=to(first_token + lengths - 1),
         **{METADATA_KWARG: metadata},
     )
-    return output.logits[0]
+    if not loaded.can_generate:  # a decoder without its head (embeddings): hidden states
+        return loaded.model(**inputs).last_hidden_state[0].index_select(0, last)
+    return loaded.model(**inputs, logits_to_keep=last).logits[0]
 
 
 def profile_sampler(loaded: LoadedModel, num_rows: int, seed: int) -> None:

@@ -21,6 +21,7 @@ from mpengine.executor.gpu_memory import (
 )
 from mpengine.executor.kv_cache import KVCacheSpec
 from mpengine.executor.model_loader import load_model
+from mpengine.testing.tiny import resolve_model
 
 
 def test_budget_is_a_share_of_the_total() -> None:
@@ -32,11 +33,12 @@ def test_budget_is_a_share_of_the_total() -> None:
 
 
 def test_graph_pool_estimate_scales_with_the_largest_batch() -> None:
-    # Activations of 2048 profiled tokens were 1 GiB; a 256-row graph keeps an eighth of it
-    # plus its logits.
-    estimate = graph_pool_estimate(GiB, 2048, 256, logits_row_bytes=1000)
-    assert estimate == GiB // 8 + 256_000
-    assert graph_pool_estimate(GiB, 16, 256, 0) == GiB  # never more than the profiled peak
+    # Activations of 2048 profiled tokens were 1 GiB; a 256-row graph keeps an eighth of it,
+    # and every captured size keeps its own logits (sizes summing to 2,311 rows).
+    estimate = graph_pool_estimate(GiB, 2048, 256, 2311, logits_row_bytes=1000)
+    assert estimate == GiB // 8 + 2_311_000
+    assert sum(graph_batch_sizes(256)) == 2311
+    assert graph_pool_estimate(GiB, 16, 256, 0, 0) == GiB  # never more than the profile
 
 
 def test_graph_batch_sizes() -> None:
@@ -48,17 +50,22 @@ def test_graph_batch_sizes() -> None:
     assert graph_batch_sizes(100)[-1] == 112  # the last size covers max_num_seqs
 
 
-def test_profile_forward_is_a_real_forward() -> None:
-    """150 tokens with max_model_len 64 run as sequences of 64, 64 and 22 tokens (input id
-    0 everywhere): the last-token logits match Hugging Face's on those inputs."""
-    loaded = load_model(EngineConfig(model="tiny", max_model_len=64, num_threads=1))
-    spec = KVCacheSpec(
+def spec_of(loaded) -> KVCacheSpec:
+    return KVCacheSpec(
         num_layers=loaded.num_layers,
         num_kv_heads=loaded.num_kv_heads,
         head_dim=loaded.head_dim,
         block_size=16,
         dtype=loaded.dtype,
     )
+
+
+def test_profile_forward_is_a_real_forward() -> None:
+    """150 tokens with max_model_len 64 run as sequences of 64, 64 and 22 tokens (input id
+    0 everywhere): the last-token logits match Hugging Face's on those inputs."""
+    config = EngineConfig(model="tiny", max_model_len=64, num_threads=1, device="cpu")
+    loaded = load_model(config)
+    spec = spec_of(loaded)
     with torch.inference_mode():
         logits = profile_forward(loaded, spec, "torch", num_tokens=150, max_num_seqs=8)
         profile_sampler(loaded, num_rows=8, seed=0)
@@ -68,3 +75,25 @@ def test_profile_forward_is_a_real_forward() -> None:
         for row, length in enumerate([64, 64, 22]):
             expected = reference(torch.zeros(1, length, dtype=torch.int64)).logits[0, -1]
             np.testing.assert_allclose(logits[row].numpy(), expected.numpy(), atol=1e-4)
+
+
+def test_profile_forward_of_a_model_without_an_lm_head(tmp_path) -> None:
+    """A decoder saved without its head (an embedding model) profiles through its hidden
+    states: reading ``.logits`` failed the GPU start-up of every such model."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoModel
+
+    tiny = Path(resolve_model("tiny"))
+    AutoModel.from_pretrained(tiny).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, tmp_path / name)
+    config = EngineConfig(model=str(tmp_path), max_model_len=64, num_threads=1, device="cpu")
+    loaded = load_model(config)
+    assert not loaded.can_generate
+    spec = spec_of(loaded)
+    with torch.inference_mode():
+        hidden = profile_forward(loaded, spec, "torch", num_tokens=100, max_num_seqs=8)
+    assert hidden.shape == (2, loaded.model.config.hidden_size)
+    assert torch.isfinite(hidden).all()
