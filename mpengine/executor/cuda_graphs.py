@@ -111,11 +111,13 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = None
+        # One side stream for every warm-up: what the allocator caches for a stream serves
+        # that stream only, so a stream per size would keep each size's warm-up memory.
+        stream = torch.cuda.Stream()
         for size in reversed(self.sizes):
             metadata = self._metadata(size)
             # Warm up on a side stream (lazy initialisations, Triton compilation), then
             # capture on it: nothing in the graph may be a first-time allocation.
-            stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._forward(size, metadata)
@@ -127,6 +129,7 @@ class DecodeGraphs:
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = graph
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-ups' cached blocks (the graphs' pool stays)
 
     def fits(self, metadata: AttentionMetadata) -> bool:
         """A pure-decode eager step this set of graphs can replay."""

@@ -243,6 +243,22 @@ def test_logprobs_carry_each_chosen_tokens_rank() -> None:
     assert lp.ranks.numpy().tolist() == want == [1, VOCAB - 5, VOCAB]
 
 
+def test_prompt_logprobs_in_slices_equal_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thousands of scored positions run in slices (bounded temporaries): the same values."""
+    from mpengine.executor import sampler
+
+    x = logits(7)
+    chosen = torch.tensor([3, 0, 9, 1, 2, 5, 4])
+    whole = token_logprobs(x, chosen, 3)
+    monkeypatch.setattr(sampler, "LOGPROB_SLICE_ROWS", 3)
+    sliced = token_logprobs(x, chosen, 3)
+    for field in ("token_ids", "logprobs", "top_ids", "top_logprobs", "ranks"):
+        np.testing.assert_array_equal(
+            getattr(sliced, field).numpy(), getattr(whole, field).numpy(), err_msg=field
+        )
+    assert sliced.logprobs.numpy().shape == (7,)
+
+
 def test_seeded_rows_ignore_the_batch() -> None:
     x = logits(5)
     seeds = draw_seed(np.array([7, 7, 7]), np.array([0, 1, 0]), np.array([3, 3, 4]))
