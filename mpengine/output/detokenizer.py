@@ -112,16 +112,26 @@ class WindowStream:
     (Metaspace's leading space, WordPiece's ``##``) treat the new tokens as mid-sequence.
     """
 
-    __slots__ = ("_ids", "_prefix", "_read", "_skip", "_tokenizer")
+    __slots__ = ("_dropped", "_ids", "_prefix", "_read", "_skip", "_tokenizer")
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool,
+        special_ids: frozenset[int] = frozenset(),
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        # Skipped tokens decode to nothing wherever they are: kept out of the window, they
+        # cannot hold it open until it is emitted with a character still incomplete.
+        self._dropped = special_ids if skip_special_tokens else frozenset()
         self._ids: list[int] = []
         self._read = 0
         self._prefix = ""
 
     def push(self, token_id: int) -> str:
+        if token_id in self._dropped:
+            return ""
         ids = self._ids
         ids.append(token_id)
         text = self._tokenizer.decode(ids, skip_special_tokens=self._skip)
@@ -187,7 +197,7 @@ class Detokenizer:
         """A new incremental decoder for one sequence."""
         if self.byte_level:
             return ByteStream(self._table(skip_special_tokens))
-        return WindowStream(self.tokenizer, skip_special_tokens)
+        return WindowStream(self.tokenizer, skip_special_tokens, self.special_ids)
 
     def _table(self, skip_special_tokens: bool) -> ByteTable:
         """Each token id's bytes, as the ``ByteLevel`` decoder produces them.

@@ -168,6 +168,19 @@ def test_window_stream_cannot_grow_without_bound() -> None:
     assert len(stream._ids) <= 2 * MAX_PENDING_TOKENS
 
 
+@pytest.mark.parametrize("num_special", [1, 13, 14, 15, 40])
+def test_skipped_tokens_inside_a_character_do_not_break_it(num_special: int) -> None:
+    """A character's byte-fallback tokens around many skipped special tokens: the window
+    was emitted after 16 tokens without text, with the character still incomplete."""
+    vocab = SENTENCEPIECE.get_vocab()
+    hello = SENTENCEPIECE.encode("hello").ids
+    ids = [*hello, vocab["<0xE4>"], *[vocab["<s>"]] * num_special, vocab["<0xB8>"], vocab["<0xAD>"]]
+    special = Detokenizer(SENTENCEPIECE).special_ids
+    pieces, full = run(WindowStream(SENTENCEPIECE, True, special), ids)
+    assert full == SENTENCEPIECE.decode(ids, skip_special_tokens=True) == "hello中"
+    assert "\ufffd" not in "".join(pieces)
+
+
 def test_a_missing_tokenizer_names_its_path(tmp_path) -> None:
     for path in (tmp_path / "absent", tmp_path):  # no such path; a directory without one
         with pytest.raises(FileNotFoundError, match=str(path)):
