@@ -20,6 +20,8 @@ Runtime = Literal["processes", "serial", "threads"]
 
 GiB = 1 << 30
 MiB = 1 << 20
+INT32_MAX = (1 << 31) - 1
+WEEK_S = 7 * 24 * 3600.0
 ANNOUNCE_SLACK = 64 * 1024  # a NewRequest's bytes beyond its AddRequest's
 
 
@@ -31,41 +33,43 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     runtime: Runtime = "processes"
     async_depth: Annotated[int, Meta(ge=0, le=1)] = 1
     block_size: Annotated[int, Meta(ge=1, le=1024)] = 16
-    kv_cache_bytes: Annotated[int, Meta(ge=1)] | None = None
+    kv_cache_bytes: Annotated[int, Meta(ge=1, le=1 << 50)] | None = None
     gpu_memory_utilization: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.9
-    num_gpu_blocks_override: Annotated[int, Meta(ge=1)] | None = None
-    max_num_seqs: Annotated[int, Meta(ge=1)] = 256
-    max_num_batched_tokens: Annotated[int, Meta(ge=1)] = 2048
-    max_model_len: Annotated[int, Meta(ge=2)] | None = None
+    num_gpu_blocks_override: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None  # int32 ids
+    max_num_seqs: Annotated[int, Meta(ge=1, le=1 << 20)] = 256
+    max_num_batched_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] = 2048
+    max_model_len: Annotated[int, Meta(ge=2, le=INT32_MAX)] | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    num_threads: Annotated[int, Meta(ge=1)] | None = None
+    num_threads: Annotated[int, Meta(ge=1, le=4096)] | None = None
     enforce_eager: bool = False
     attention_backend: Literal["auto", "torch", "native", "triton"] = "auto"
     compile_decode: bool = False
-    seed: int = 0
+    seed: Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)] = 0
     engine_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_]{0,16}$")] = ""
     address: str | None = None
-    max_request_bytes: Annotated[int, Meta(ge=1024)] = 4 * MiB
-    ring_bytes: Annotated[int, Meta(ge=256 * 1024)] = 8 * MiB
+    max_request_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 4 * MiB
+    ring_bytes: Annotated[int, Meta(ge=256 * 1024, le=1 << 34)] = 8 * MiB
     prefix_caching: bool = True
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    swap_space: Annotated[int, Meta(ge=0)] = 4 * GiB
+    swap_space: Annotated[int, Meta(ge=0, le=1 << 50)] = 4 * GiB
     pooling: Literal["auto", "last", "mean", "cls", "none"] = "auto"
-    max_waiting_requests: Annotated[int, Meta(ge=1)] = 4096
-    max_waiting_tokens: Annotated[int, Meta(ge=1)] = 1 << 20
-    client_send_hwm: Annotated[int, Meta(ge=1)] = 1000
+    max_waiting_requests: Annotated[int, Meta(ge=1, le=INT32_MAX)] = 4096
+    max_waiting_tokens: Annotated[int, Meta(ge=1, le=1 << 50)] = 1 << 20
+    client_send_hwm: Annotated[int, Meta(ge=1, le=INT32_MAX)] = 1000
     auth_token: str | None = None
     advertise_host: str | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    startup_timeout: Annotated[float, Meta(gt=0)] = 300.0
+    startup_timeout: Annotated[float, Meta(gt=0, le=WEEK_S)] = 300.0
     trace: str | None = None
 
     def __post_init__(self) -> None:
+        # Found out at start, not when the stages write their parts at the end.
         if self.trace and not os.path.isdir(folder := os.path.dirname(os.path.abspath(self.trace))):
-            # Found out at start, not when the stages write their parts at the end.
             raise ValueError(f"trace: the folder {folder!r} does not exist")
+        if self.trace and os.path.isdir(self.trace):
+            raise ValueError(f"trace: {self.trace!r} is a folder: give a file to write")
         if self.address:
             check_engine_address(self.address)
         # A request is announced to the output processor in one ring frame.

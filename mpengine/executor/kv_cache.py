@@ -77,10 +77,17 @@ def allocate_kv_cache(
     value still enters ``softmax(...) @ V`` as ``0 * v``, which is NaN for a NaN ``v``.
     """
     shape = (spec.num_layers, 2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
-    if device.type == "cpu":
-        storage = _huge_page_zeros(shape, spec.dtype)
-    else:
-        storage = torch.zeros(shape, dtype=spec.dtype, device=device)
+    try:
+        if device.type == "cpu":
+            storage = _huge_page_zeros(shape, spec.dtype)
+        else:
+            storage = torch.zeros(shape, dtype=spec.dtype, device=device)
+    except (OSError, RuntimeError, OverflowError) as exc:  # mmap's ENOMEM, torch's OOM
+        raise MemoryError(
+            f"cannot allocate a KV cache of {num_blocks} blocks "
+            f"({num_blocks * spec.bytes_per_block} bytes) on {device}: {exc}; lower "
+            "kv_cache_bytes, num_gpu_blocks_override or gpu_memory_utilization"
+        ) from None
     return list(storage.unbind(0))
 
 
@@ -116,11 +123,17 @@ def allocate_swap_space(spec: KVCacheSpec, num_blocks: int, device: torch.device
     layer first: ``[layers, 2, kv_heads, num_blocks, block_size, head_dim]``. Pinned when
     the cache is on a GPU (asynchronous copies); on the CPU its pages are mapped as blocks
     are first written."""
-    return torch.empty(
-        (spec.num_layers, 2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim),
-        dtype=spec.dtype,
-        pin_memory=device.type == "cuda",
-    )
+    try:
+        return torch.empty(
+            (spec.num_layers, 2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim),
+            dtype=spec.dtype,
+            pin_memory=device.type == "cuda",
+        )
+    except (RuntimeError, OverflowError) as exc:
+        raise MemoryError(
+            f"cannot allocate a swap space of {num_blocks} blocks "
+            f"({num_blocks * spec.bytes_per_block} bytes): {exc}; lower swap_space"
+        ) from None
 
 
 class Swapper:

@@ -281,7 +281,17 @@ def _pooling_info(
     else the kind's convention (decoder base models: last token; encoders: CLS). A causal
     LM that declares nothing embeds only when ``--pooling`` says how."""
     pooling = config.pooling if config.pooling != "auto" else declared.pooling
+    if config.pooling == "cls" and kind != "encoder":
+        raise ValueError(
+            "pooling cls needs an encoder model: the first token of a causal model attends "
+            "to nothing but itself (use last or mean)"
+        )
     if pooling == "none":
+        if kind != "causal":
+            raise ValueError(
+                "pooling none leaves this model nothing to do: it cannot generate (it has no "
+                "language-model head), only embed"
+            )
         return None
     if pooling is None:
         if kind == "causal":

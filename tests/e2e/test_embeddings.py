@@ -15,6 +15,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModel
 
+import mpengine
 from mpengine import AsyncClient, InvalidRequestError, PoolingParams, SamplingParams
 from mpengine.testing.tiny import resolve_model
 
@@ -180,3 +181,13 @@ def test_what_a_model_cannot_do_is_refused(bert, decoder, start_engine):
     with pytest.raises(InvalidRequestError, match="cannot embed"):
         generator.embed("hello", timeout=TIMEOUT)
     assert generator.generate("hello", SamplingParams(max_tokens=2), timeout=TIMEOUT).token_ids
+
+
+@pytest.mark.parametrize(
+    ("model", "pooling", "message"),
+    [("tiny", "cls", "needs an encoder"), ("tiny-bert", "none", "nothing to do")],
+)
+def test_a_pooling_the_model_cannot_serve_is_refused_at_start(model, pooling, message):
+    """Accepted before: every request then failed, naming the request's field."""
+    with pytest.raises(mpengine.EngineStartError, match=message):
+        mpengine.launch(model=model, pooling=pooling, runtime="serial", log_level="ERROR")

@@ -56,6 +56,31 @@ def test_sizes_a_client_controls_are_bounded_at_decode(params, field) -> None:
         decode_params(**params)
 
 
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("seed", 2**64),
+        ("seed", -(2**63) - 1),
+        ("max_num_seqs", 2**64),
+        ("kv_cache_bytes", 2**64),
+        ("num_gpu_blocks_override", 2**62),  # block ids are int32
+        ("num_threads", 2**40),
+        ("ring_bytes", 2**40),
+        ("swap_space", 2**60),
+        ("startup_timeout", float("inf")),
+    ],
+)
+def test_engine_options_beyond_any_machine_are_refused_by_name(option, value) -> None:
+    """They crashed later with a traceback (OverflowError) that named no option."""
+    with pytest.raises(msgspec.ValidationError, match=rf"\$\.{option}"):
+        EngineConfig.from_kwargs(**{option: value})
+
+
+def test_a_trace_that_is_a_folder_is_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="is a folder"):
+        EngineConfig(trace=str(tmp_path))
+
+
 def test_non_finite_temperature_is_refused() -> None:
     for value in (float("inf"), float("nan")):
         with pytest.raises(msgspec.ValidationError, match="temperature"):
