@@ -130,7 +130,7 @@ class TextTools:
             cut = text.rindex(tag)
             if text[cut : cut + len(CONTINUE_TAG)] == CONTINUE_TAG:
                 text = text[:cut]
-            else:  # the template trimmed the space after the text: so is the text's own
+            else:  # the template trims what it renders: so goes the text's own trailing space
                 text = text[:cut].rstrip()
         return text
 
