@@ -9,17 +9,20 @@
     GET  /metrics                 Prometheus text (metrics.py)
     POST /tokenize, /detokenize   vLLM's, with the engine's tokenizer and chat template
 
-Only ``/v1/*`` needs the API key (``Authorization: Bearer KEY``), as in vLLM: health and
-metrics serve probes and scrapers. A model that cannot generate (an encoder such as BERT)
-answers the two generation endpoints with 400; one that cannot pool answers embeddings so.
+CORS headers (``--allowed-origins``...) default to vLLM's: any origin. Only ``/v1/*`` needs
+the API key (``Authorization: Bearer KEY``), as in vLLM: health and metrics serve probes
+and scrapers. A model that cannot generate (an encoder such as BERT) answers the two
+generation endpoints with 400; one that cannot pool answers embeddings so.
 """
 
 from __future__ import annotations
 
 import hmac
+from dataclasses import dataclass
 
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -44,15 +47,33 @@ from mpengine.server.schemas import (
 from mpengine.server.state import ServerState
 
 
+@dataclass(frozen=True, slots=True)
+class Cors:
+    """Which other origins' pages may call the API (``--allowed-origins``...)."""
+
+    origins: list[str]
+    methods: list[str]
+    headers: list[str]
+    credentials: bool = False
+
+
 def _json(value: msgspec.Struct | dict, status: int = 200) -> Response:
     return Response(msgspec.json.encode(value), status_code=status, media_type="application/json")
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
     app = FastAPI(title="mpengine", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_handlers(app)
     app.add_middleware(BodyLimit, limit=state.max_body_bytes)
+    if cors is not None:  # outermost: a preflight is answered before the key is asked for
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cors.origins,
+            allow_methods=cors.methods,
+            allow_headers=cors.headers,
+            allow_credentials=cors.credentials,
+        )
 
     async def check_key(request: Request) -> None:
         """``Authorization: Bearer KEY`` when the server has a key (compared in constant

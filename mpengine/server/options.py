@@ -4,6 +4,7 @@ its parser from here whatever the command)."""
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +36,28 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--uvicorn-log-level", default="warning", help="uvicorn's log level (default: warning)"
     )
+    cors = parser.add_argument_group("CORS (browsers calling the API from another origin)")
+    for name, what in (("origins", "origins"), ("methods", "methods"), ("headers", "headers")):
+        cors.add_argument(
+            f"--allowed-{name}",
+            type=json_list,
+            default=["*"],
+            help=f'{what} allowed, as a JSON list (default: ["*"], as vLLM)',
+        )
+    cors.add_argument(
+        "--allow-credentials", action="store_true", help="allow credentials (cookies, auth)"
+    )
+
+
+def json_list(text: str) -> list[str]:
+    """argparse type of a JSON list of strings (vLLM's form: '["http://a.example"]')."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings")
+    return value
 
 
 def port(text: str) -> int:

@@ -33,7 +33,7 @@ from mpengine.metrics import ServerMetrics
 from mpengine.runtime.diagnose import ipc_dir, read_engine_file, write_engine_file
 from mpengine.runtime.notify import Notifier
 from mpengine.runtime.stage import STACKS_SIGNAL, configure_logging
-from mpengine.server.app import build_app
+from mpengine.server.app import Cors, build_app
 from mpengine.server.health import EngineMonitor, has_work
 from mpengine.server.state import ServerState
 from mpengine.server.text import TextTools
@@ -163,7 +163,15 @@ async def _serve(
     # 2. HTTP; once it listens, ready
     server = _Server(
         uvicorn.Config(
-            build_app(state),
+            build_app(
+                state,
+                Cors(
+                    args.allowed_origins,
+                    args.allowed_methods,
+                    args.allowed_headers,
+                    args.allow_credentials,
+                ),
+            ),
             log_config=None,  # the process's logging, as configured
             log_level=args.uvicorn_log_level,
             access_log=False,

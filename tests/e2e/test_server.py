@@ -7,6 +7,7 @@ Greedy outputs through HTTP must equal the engine's through the IPC client.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -834,6 +835,34 @@ def test_disconnect_aborts_and_frees_blocks(server: Served, ipc, stream: bool) -
     stats = wait_idle(ipc, timeout=30)
     assert stats.aborted == before.aborted + 1
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_cors_lets_a_browser_page_call_the_api(server: Served) -> None:
+    """vLLM's default: any origin. A preflight is answered without the API key."""
+    origin = "http://ui.example"
+    preflight = urllib.request.Request(server.url + "/v1/completions", method="OPTIONS")
+    preflight.add_header("Origin", origin)
+    preflight.add_header("Access-Control-Request-Method", "POST")
+    preflight.add_header("Access-Control-Request-Headers", "authorization, content-type")
+    with urllib.request.urlopen(preflight, timeout=REQUEST_TIMEOUT_S) as reply:
+        assert reply.status == 200
+        assert reply.headers["access-control-allow-origin"] in ("*", origin)
+        assert "POST" in reply.headers["access-control-allow-methods"]
+    request = urllib.request.Request(server.url + "/health", headers={"Origin": origin})
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+        assert reply.headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_flags_take_json_lists() -> None:
+    from mpengine.server.options import json_list
+
+    assert json_list('["http://a.example", "https://b.example"]') == [
+        "http://a.example",
+        "https://b.example",
+    ]
+    for bad in ("http://a.example", '"*"', "[1]"):
+        with pytest.raises(argparse.ArgumentTypeError, match="JSON list"):
+            json_list(bad)
 
 
 # -- tokenizer endpoints and metrics -----------------------------------------------------------
