@@ -36,6 +36,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--uvicorn-log-level", default="warning", help="uvicorn's log level (default: warning)"
     )
+    group.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file")
+    group.add_argument(
+        "--ssl-certfile", default=None, help="serve HTTPS with this certificate file"
+    )
     cors = parser.add_argument_group("CORS (browsers calling the API from another origin)")
     for name, what in (("origins", "origins"), ("methods", "methods"), ("headers", "headers")):
         cors.add_argument(

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Coroutine, Iterator
 
@@ -58,6 +59,7 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         # A check against "" would let in whoever sends an empty bearer token.
         source = "--api-key-file holds" if args.api_key_file else "--api-key is"
         raise SystemExit(f"mpengine: {source} an empty key: give a key, or none for no auth")
+    _check_tls(args)
     configure_logging(engine_config.log_level, "serve")
     listener = _listen(args.host, args.port)
     notifier = Notifier.from_environment()
@@ -82,6 +84,18 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     finally:
         engine.shutdown()
         notifier.close()
+
+
+def _check_tls(args: argparse.Namespace) -> None:
+    """HTTPS needs both files, and they must load: found out before the model loads."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise SystemExit("mpengine: HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if args.ssl_certfile is not None:
+        try:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            raise SystemExit(f"mpengine: cannot load the TLS key and certificate: {exc}") from None
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -172,6 +186,8 @@ async def _serve(
                     args.allow_credentials,
                 ),
             ),
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
             log_config=None,  # the process's logging, as configured
             log_level=args.uvicorn_log_level,
             access_log=False,
@@ -185,7 +201,7 @@ async def _serve(
     if http.done():
         await http  # raises what stopped it
         return 1
-    _announce(engine, listener, state.model_name)
+    _announce(engine, listener, state.model_name, "https" if args.ssl_certfile else "http")
     await state.monitor.poll()
     notifier.ready(state.monitor.status(state.model_name))
     # 3. serve until SIGTERM/SIGINT, a stage's death, or the HTTP server's end
@@ -222,10 +238,10 @@ def _state(engine: Engine, args: argparse.Namespace, api_key: str | None) -> Ser
     return ServerState(client, info, TextTools(info.tokenizer), metrics, monitor, names, api_key)
 
 
-def _announce(engine: Engine, listener: socket.socket, model: str) -> None:
+def _announce(engine: Engine, listener: socket.socket, model: str, scheme: str) -> None:
     host, port = listener.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
-    url = f"http://{host}:{port}"
+    url = f"{scheme}://{host}:{port}"
     model_path = engine.model.model_path if engine.model else model
     # The first line is what `mpengine serve` always printed (IPC clients parse it).
     print(f"mpengine: serving {model_path} at {engine.address}", flush=True)

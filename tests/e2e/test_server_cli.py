@@ -10,11 +10,14 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +143,35 @@ def test_unusable_api_keys_fail_in_one_line(tmp_path: Path) -> None:
         (["--api-key", ""], "--api-key is an empty key"),
         (["--api-key-file", str(tmp_path / "missing")], "cannot read --api-key-file"),
         (["--api-key-file", str(tmp_path)], "cannot read --api-key-file"),
+    ]:
+        cmd = [sys.executable, "-m", "mpengine.cli", "serve", "--port", "0", *flags]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode != 0 and message in done.stderr, (flags, done.stderr)
+        assert "Traceback" not in done.stderr
+
+
+def test_https_with_a_key_and_certificate(tmp_path: Path) -> None:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed: no certificate to test with")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    request = ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    subprocess.run(
+        [openssl, *request, "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    tls = ["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]
+    with serving(tmp_path / "served", *tls) as served:
+        assert served.url.startswith("https://127.0.0.1:")
+        insecure = ssl.create_default_context()
+        insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
+        with urllib.request.urlopen(served.url + "/health", timeout=30, context=insecure) as reply:
+            assert reply.status == 200
+    for flags, message in [
+        (tls[:2], "needs both"),
+        (["--ssl-keyfile", str(cert), "--ssl-certfile", str(cert)], "cannot load the TLS"),
     ]:
         cmd = [sys.executable, "-m", "mpengine.cli", "serve", "--port", "0", *flags]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
