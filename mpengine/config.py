@@ -15,12 +15,12 @@ import msgspec
 from msgspec import Meta
 
 from mpengine.addresses import check_engine_address
+from mpengine.protocol import INT32_MAX
 
 Runtime = Literal["processes", "serial", "threads"]
 
 GiB = 1 << 30
 MiB = 1 << 20
-INT32_MAX = (1 << 31) - 1
 WEEK_S = 7 * 24 * 3600.0
 ANNOUNCE_SLACK = 64 * 1024  # a NewRequest's bytes beyond its AddRequest's
 

@@ -67,17 +67,13 @@ def kv_cache_budget(
 
 
 def graph_pool_estimate(
-    activation_peak: int,
-    profiled_tokens: int,
-    max_graph_batch: int,
-    logits_rows: int,
-    logits_row_bytes: int,
+    activation_peak: int, profiled_tokens: int, sizes: list[int], logits_row_bytes: int
 ) -> int:
     """What the captured decode graphs keep: activations of the largest graph batch (scaled
     from the profiled forward's) and the logits of every captured batch size (each graph
-    keeps its own output rows: ``logits_rows`` is the sum of the sizes)."""
-    share = min(1.0, max_graph_batch / max(profiled_tokens, 1))
-    return int(activation_peak * share) + logits_rows * logits_row_bytes
+    keeps its own output rows), for the captured batch ``sizes``."""
+    share = min(1.0, max(sizes) / max(profiled_tokens, 1))
+    return int(activation_peak * share) + sum(sizes) * logits_row_bytes
 
 
 def profiled_num_blocks(
@@ -108,9 +104,7 @@ def profiled_num_blocks(
 
         row_bytes = loaded.vocab_size * torch.empty((), dtype=loaded.dtype).element_size()
         sizes = graph_batch_sizes(config.max_num_seqs)
-        graphs = graph_pool_estimate(
-            activations, config.max_num_batched_tokens, sizes[-1], sum(sizes), row_bytes
-        )
+        graphs = graph_pool_estimate(activations, config.max_num_batched_tokens, sizes, row_bytes)
     budget = kv_cache_budget(total, config.gpu_memory_utilization, peak, non_torch, graphs)
     logger.info(
         "GPU memory: total %.2f GiB x %.2f; weights %.2f GiB, activations %.2f GiB, outside "

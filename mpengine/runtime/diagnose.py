@@ -364,9 +364,9 @@ def check_address(address: str) -> None:
 
     if not address.startswith(("ipc://", "tcp://")):
         raise SystemExit(f"mpengine: {address!r} is not an ipc:// or tcp:// address")
-    path = connectable(address).removeprefix("ipc://")
     if not address.startswith("ipc://"):
         return
+    path = connectable(address).removeprefix("ipc://")
     if not os.path.exists(path):
         raise SystemExit(f"mpengine: no engine at {address}: {path} does not exist")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:

@@ -34,6 +34,7 @@ from mpengine.server.completions import create_completion
 from mpengine.server.embeddings import create_embedding
 from mpengine.server.errors import APIError, install_handlers
 from mpengine.server.schemas import (
+    CHAT_TEMPLATE_REFUSED,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -148,8 +149,7 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", "prompt")
         if body.chat_template is not None:
-            message = "chat_template in a request is not accepted: the model's own is used"
-            raise APIError(400, message, "chat_template")
+            raise APIError(400, CHAT_TEMPLATE_REFUSED, "chat_template")
         if body.messages is not None:
             chat = ChatCompletionRequest(
                 messages=body.messages,

@@ -25,6 +25,7 @@ TokenId = Annotated[int, Strict()]
 
 
 _JSON = msgspec.json.Encoder()
+CHAT_TEMPLATE_REFUSED = "chat_template in a request is not accepted: the model's own is used"
 
 
 def unicode_text(value: Any) -> Any:
@@ -46,9 +47,8 @@ def unicode_text(value: Any) -> Any:
         if lone_surrogate(value):
             raise ValueError("holds a lone UTF-16 surrogate: not Unicode text")
     elif isinstance(value, list | tuple):
-        if value and not isinstance(value[0], int | float):  # token ids need no look
-            for item in value:
-                unicode_text(item)
+        for item in value:
+            unicode_text(item)
     elif isinstance(value, dict):
         for key, item in value.items():
             unicode_text(key)
@@ -217,10 +217,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def misuse(self) -> tuple[str, str] | None:
         if self.chat_template is not None:
-            return (
-                "chat_template in a request is not accepted: the model's own is used",
-                "chat_template",
-            )
+            return CHAT_TEMPLATE_REFUSED, "chat_template"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs: true", "top_logprobs"
         if self.stream and self.prompt_logprobs is not None:

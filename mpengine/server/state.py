@@ -66,7 +66,6 @@ class ServerState:
         with one bad prompt of several is a 400 even when it streams (the engine would
         refuse that prompt only once the others' first tokens were on their way)."""
         vocab, limit = self.info.vocab_size, self.info.max_model_len
-        self.check_count(len(prompts), param)
         total, most = sum(map(len, prompts)), self.info.max_waiting_tokens
         if most and len(prompts) > 1 and total > most:  # likewise (one prompt always fits)
             raise APIError(

@@ -217,7 +217,6 @@ def test_a_request_beyond_the_queue_bounds_is_a_400() -> None:
         vocab_size=100, max_model_len=4096, max_waiting_requests=0, max_waiting_tokens=1000
     )
     state = SimpleNamespace(info=info)
-    state.check_count = lambda num, param: ServerState.check_count(state, num, param)
     ServerState.check_prompts(state, [[5] * 900], "prompt")  # one prompt: admitted when idle
     ServerState.check_prompts(state, [[5] * 500, [6] * 500], "prompt")
     with pytest.raises(APIError) as refused:

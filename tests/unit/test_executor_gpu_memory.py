@@ -35,10 +35,10 @@ def test_budget_is_a_share_of_the_total() -> None:
 def test_graph_pool_estimate_scales_with_the_largest_batch() -> None:
     # Activations of 2048 profiled tokens were 1 GiB; a 256-row graph keeps an eighth of it,
     # and every captured size keeps its own logits (sizes summing to 2,311 rows).
-    estimate = graph_pool_estimate(GiB, 2048, 256, 2311, logits_row_bytes=1000)
+    estimate = graph_pool_estimate(GiB, 2048, graph_batch_sizes(256), logits_row_bytes=1000)
     assert estimate == GiB // 8 + 2_311_000
     assert sum(graph_batch_sizes(256)) == 2311
-    assert graph_pool_estimate(GiB, 16, 256, 0, 0) == GiB  # never more than the profile
+    assert graph_pool_estimate(GiB, 16, [256], 0) == GiB  # never more than the profile
 
 
 def test_graph_batch_sizes() -> None:
