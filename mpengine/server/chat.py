@@ -42,7 +42,7 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[i
     # As vLLM, chat_template_kwargs may say add_generation_prompt too, and win.
     add_generation_prompt = bool(extra.pop("add_generation_prompt", body.add_generation_prompt))
     text = state.text.render_chat(
-        message_dicts(body.messages),
+        state.text.message_dicts(body.messages),
         add_generation_prompt and not body.continue_final_message,
         body.continue_final_message,
         extra,

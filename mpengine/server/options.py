@@ -22,6 +22,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="the model's name(s) in the API (default: --model)",
     )
     group.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template (a file, or the template's text) to use instead of the model's",
+    )
+    group.add_argument(
+        "--chat-template-content-format",
+        choices=("auto", "string", "openai"),
+        default="auto",
+        help="how a message's content reaches the template: one string, or OpenAI's list of "
+        "text parts (default: auto, as the template reads it)",
+    )
+    group.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,

@@ -37,7 +37,7 @@ from mpengine.runtime.stage import STACKS_SIGNAL, configure_logging
 from mpengine.server.app import Cors, build_app
 from mpengine.server.health import EngineMonitor, has_work
 from mpengine.server.state import ServerState
-from mpengine.server.text import TextTools
+from mpengine.server.text import TextTools, load_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,11 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         source = "--api-key-file holds" if args.api_key_file else "--api-key is"
         raise SystemExit(f"mpengine: {source} an empty key: give a key, or none for no auth")
     _check_tls(args)
+    if args.chat_template is not None:
+        try:
+            args.chat_template = load_chat_template(args.chat_template)
+        except ValueError as exc:
+            raise SystemExit(f"mpengine: --chat-template: {exc}") from None
     configure_logging(engine_config.log_level, "serve")
     listener = _listen(args.host, args.port)
     notifier = Notifier.from_environment()
@@ -235,7 +240,8 @@ def _state(engine: Engine, args: argparse.Namespace, api_key: str | None) -> Ser
     names = args.served_model_name or [engine.config.model]
     metrics = ServerMetrics(names[0], info.max_model_len)
     monitor = EngineMonitor(client, metrics, args.stall_timeout)
-    return ServerState(client, info, TextTools(info.tokenizer), metrics, monitor, names, api_key)
+    text = TextTools(info.tokenizer, args.chat_template, args.chat_template_content_format)
+    return ServerState(client, info, text, metrics, monitor, names, api_key)
 
 
 def _announce(engine: Engine, listener: socket.socket, model: str, scheme: str) -> None:

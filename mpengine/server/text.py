@@ -9,6 +9,12 @@ sandboxed environment, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
 ``tools`` and ``documents`` as variables; reasoning under each of its names; a final
 message continued where a tag placed after its text ends up). A rendered template already
 holds the model's special tokens, so it is encoded without adding any.
+
+``mpengine serve --chat-template`` replaces the model's template (a file, or the template's
+text), as vLLM's flag does. A message's content reaches the template as vLLM passes it
+(``--chat-template-content-format``): as one string (text parts joined by newlines), or as
+OpenAI's list of ``{"type": "text", "text": ...}`` parts for templates that loop over the
+parts; ``auto`` reads the template to find out which it expects.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import datetime
 import functools
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +40,13 @@ logger = logging.getLogger(__name__)
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # marks the end of a message to continue
 
 
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
 class TextTools:
-    def __init__(self, tokenizer_dir: str) -> None:
+    def __init__(
+        self, tokenizer_dir: str, chat_template: str | None = None, content_format: str = "auto"
+    ) -> None:
         directory = Path(tokenizer_dir)
         path = directory / "tokenizer.json"
         self.tokenizer = (
@@ -48,7 +60,13 @@ class TextTools:
         }
         if isinstance(extra_tokens := config.get("additional_special_tokens"), list):
             self.special_tokens["additional_special_tokens"] = list(map(_token_text, extra_tokens))
-        self.template = _load_template(directory, config)
+        source = chat_template if chat_template is not None else _model_template(directory, config)
+        self.template = compile_template(source) if source is not None else None
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(f"content format {content_format!r} is not one of {CONTENT_FORMATS}")
+        if content_format == "auto":
+            content_format = detect_content_format(source) if source is not None else "string"
+        self.content_format = content_format
 
     # -- tokens ------------------------------------------------------------------------------
 
@@ -80,6 +98,10 @@ class TextTools:
 
     # -- chat --------------------------------------------------------------------------------
 
+    def message_dicts(self, messages: list[Any]) -> list[dict[str, Any]]:
+        """The request's messages in the form this template expects."""
+        return message_dicts(messages, self.content_format)
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],
@@ -101,13 +123,20 @@ class TextTools:
             # Mark where the final message's text ends, render, and cut there: the model
             # continues it (transformers' way, which a search for the text gets wrong when
             # the text is empty, trimmed by the template, or appears again after it).
-            final = messages[-1].get("content") if messages else None
+            content = messages[-1].get("content") if messages else None
+            if isinstance(content, list) and content and isinstance(content[-1], dict):
+                final = content[-1].get("text")  # OpenAI's parts: the last one is continued
+                if isinstance(final, str):
+                    content = [*content[:-1], {**content[-1], "text": final + CONTINUE_TAG}]
+            else:
+                final = content
+                content = final + CONTINUE_TAG if isinstance(final, str) else None
             if not isinstance(final, str):
                 raise bad_request(
                     "continue_final_message needs a final message with text content",
                     "continue_final_message",
                 )
-            messages[-1] = {**messages[-1], "content": final + CONTINUE_TAG}
+            messages[-1] = {**messages[-1], "content": content}
         context = {
             "tools": None,
             "documents": None,
@@ -135,25 +164,28 @@ class TextTools:
         return text
 
 
-def message_dicts(messages: list[Any]) -> list[dict[str, Any]]:
-    """Chat messages as the template expects them: text parts joined into one string, and
-    a missing or null ``content`` (an assistant turn that called tools) as ``""``, as vLLM
-    passes it: templates read ``message['content']`` unguarded."""
+def message_dicts(messages: list[Any], content_format: str = "string") -> list[dict[str, Any]]:
+    """Chat messages as the template expects them, as vLLM passes them: content as one string
+    (text parts joined by newlines) or, in the ``openai`` format, as a list of text parts (a
+    string becomes one part); a missing or null ``content`` (an assistant turn that called
+    tools) as ``""`` or no parts: templates read ``message['content']`` unguarded."""
     result = []
     for message in messages:
         record = message.model_dump(exclude_none=True)
-        content = record.setdefault("content", "")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text":
-                    raise bad_request(
-                        f"content parts of type {part.get('type')!r} are not supported: "
-                        "this server serves text models",
-                        "messages",
-                    )
-                texts.append(str(part.get("text", "")))
-            record["content"] = "\n".join(texts)  # as vLLM joins text parts
+        content = record.get("content")
+        texts = [content] if isinstance(content, str) else []
+        for part in content if isinstance(content, list) else []:
+            if part.get("type") != "text":
+                raise bad_request(
+                    f"content parts of type {part.get('type')!r} are not supported: "
+                    "this server serves text models",
+                    "messages",
+                )
+            texts.append(str(part.get("text", "")))
+        if content_format == "openai":
+            record["content"] = [{"type": "text", "text": text} for text in texts]
+        else:
+            record["content"] = "\n".join(texts)
         result.append(record)
     return result
 
@@ -215,22 +247,116 @@ class _Generation(jinja2.ext.Extension):
         return caller()
 
 
-def _load_template(directory: Path, config: dict[str, Any]) -> jinja2.Template | None:
+def _model_template(directory: Path, config: dict[str, Any]) -> str | None:
     jinja_file = directory / "chat_template.jinja"  # where transformers 5 saves it
     source = jinja_file.read_text() if jinja_file.exists() else config.get("chat_template")
     if isinstance(source, list):  # named templates: the default one
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
-    if not isinstance(source, str):
-        return None
+    return source if isinstance(source, str) else None
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
+def compile_template(source: str) -> jinja2.Template | None:
+    """The template, or ``None`` (chat off, with a warning) when it does not compile."""
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
     except jinja2.TemplateError as exc:
-        logger.warning("the model's chat template does not compile, chat is off: %s", exc)
+        logger.warning("the chat template does not compile, chat is off: %s", exc)
         return None
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``'s value as vLLM reads it: a file's text, or the template itself;
+    a value that names no file and looks like no template is a mistyped path. Raises
+    ``ValueError`` with the reason, also when the template does not compile."""
+    if os.path.isfile(value):
+        try:
+            source = Path(value).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the chat template {value!r}: {exc}") from None
+    elif any(c in value for c in "{}\n"):
+        source = value
+    else:
+        raise ValueError(f"the chat template {value!r} looks like a path, but no such file exists")
+    try:
+        _environment().parse(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template does not compile: {exc} (line {exc.lineno})") from None
+    return source
+
+
+# Filters whose result is still what they were given (a list of messages, a message...).
+KEEPING_FILTERS = ("list", "reverse", "selectattr", "rejectattr", "sort", "unique", "default")
+
+
+def detect_content_format(source: str) -> str:
+    """``openai`` when the template loops over a message's content (it expects OpenAI's list
+    of parts), else ``string``. Follows the names the template gives the message list (``{%
+    set loop_messages = messages[1:] %}``), its items (``{% for m in loop_messages %}``, ``{%
+    set first = messages[0] %}``) and their content (``{% set c = m['content'] %}``)."""
+    try:
+        tree = _environment().parse(source)
+    except jinja2.TemplateError:
+        return "string"
+    lists, items, contents = {"messages"}, set(), set()
+
+    def name_in(node: jinja2.nodes.Node, names: set[str]) -> bool:
+        return isinstance(node, jinja2.nodes.Name) and node.name in names
+
+    def kind(node: jinja2.nodes.Node) -> str | None:
+        """What an expression is: the message list, one message, or a message's content."""
+        if isinstance(node, jinja2.nodes.Filter) and node.node is not None:
+            inner = kind(node.node)
+            if inner == "list" and node.name in ("first", "last"):
+                return "item"
+            return inner if node.name in KEEPING_FILTERS else None
+        if isinstance(node, jinja2.nodes.CondExpr):  # a if test else b
+            return kind(node.expr1) or (kind(node.expr2) if node.expr2 is not None else None)
+        if name_in(node, lists):
+            return "list"
+        if name_in(node, items):
+            return "item"
+        if name_in(node, contents):
+            return "content"
+        if isinstance(node, jinja2.nodes.Getitem):
+            inner = kind(node.node)
+            if inner == "list":
+                return "list" if isinstance(node.arg, jinja2.nodes.Slice) else "item"
+            if inner == "item" and isinstance(node.arg, jinja2.nodes.Const):
+                return "content" if node.arg.value == "content" else None
+        if isinstance(node, jinja2.nodes.Getattr) and kind(node.node) == "item":
+            return "content" if node.attr == "content" else None
+        return None
+
+    def targets(node: jinja2.nodes.Node) -> list[str]:  # a name, or a tuple of names
+        names = [node] if isinstance(node, jinja2.nodes.Name) else node.find_all(jinja2.nodes.Name)
+        return [n.name for n in names]
+
+    for _ in range(4):  # names defined from names: until nothing new (a few rounds suffice)
+        before = len(lists) + len(items) + len(contents)
+        for node in tree.find_all((jinja2.nodes.Assign, jinja2.nodes.For)):
+            if isinstance(node, jinja2.nodes.For):
+                what = kind(node.iter)
+                if what == "content":
+                    return "openai"
+                if what == "list":
+                    items.update(targets(node.target))
+            else:
+                what = kind(node.node)
+                if what is not None:
+                    {"list": lists, "item": items, "content": contents}[what].update(
+                        targets(node.target)
+                    )
+        if len(lists) + len(items) + len(contents) == before:
+            break
+    return "string"

@@ -8,6 +8,7 @@ test ends. The other ``test_server*``, drain and systemd tests use it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import shutil
@@ -176,6 +177,40 @@ def test_https_with_a_key_and_certificate(tmp_path: Path) -> None:
         cmd = [sys.executable, "-m", "mpengine.cli", "serve", "--port", "0", *flags]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert done.returncode != 0 and message in done.stderr, (flags, done.stderr)
+        assert "Traceback" not in done.stderr
+
+
+def test_chat_template_flag_replaces_the_models(tmp_path: Path) -> None:
+    """``--chat-template FILE`` renders chats (here one looping over content parts, which
+    gets OpenAI's parts); a missing file or a broken template fails before the model loads."""
+    template = tmp_path / "parts.jinja"
+    template.write_text(
+        "{% for m in messages %}<{{ m.role }}>{% for p in m.content %}{{ p.text }};{% endfor %}"
+        "{% endfor %}"
+    )
+    with serving(tmp_path / "served", "--chat-template", str(template)) as served:
+
+        def tokenize(body: dict) -> list[int]:
+            request = urllib.request.Request(
+                served.url + "/tokenize",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                return json.load(reply)["tokens"]
+
+        chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+        want = tokenize({"prompt": "<user>hi;<assistant>yo;", "add_special_tokens": False})
+        assert tokenize({"messages": chat}) == want
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+    for value, message in [
+        (str(tmp_path / "missing.jinja"), "looks like a path, but no such file exists"),
+        (str(tmp_path / "broken.jinja"), "does not compile"),
+    ]:
+        cmd = [sys.executable, "-m", "mpengine.cli", "serve", "--port", "0"]
+        cmd += ["--chat-template", value]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode != 0 and message in done.stderr, (value, done.stderr)
         assert "Traceback" not in done.stderr
 
 

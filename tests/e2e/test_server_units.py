@@ -20,7 +20,12 @@ from mpengine.server.errors import APIError, field_of, from_engine
 from mpengine.server.health import EngineMonitor
 from mpengine.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from mpengine.server.state import ServerState
-from mpengine.server.text import TextTools, message_dicts
+from mpengine.server.text import (
+    TextTools,
+    detect_content_format,
+    load_chat_template,
+    message_dicts,
+)
 from mpengine.testing.tiny import resolve_model
 
 
@@ -183,6 +188,106 @@ def test_templates_see_what_transformers_gives_them(tmp_path: Path) -> None:
         messages, tokenize=False
     )
     assert TextTools(str(tmp_path)).render_chat(messages, add_generation_prompt=False) == want
+
+
+PARTS_TEMPLATE = (  # a template for OpenAI's content parts (as multimodal models' are)
+    "{% set loop_messages = messages[1:] if messages[0]['role'] == 'system' else messages %}"
+    "{% for message in loop_messages %}<{{ message.role }}>"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "[{{ part.text }}]{% endfor %}</{{ message.role }}>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template, want",
+    [
+        (PARTS_TEMPLATE, "openai"),
+        (
+            "{% for m in messages %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        (
+            "{% set first = messages|first %}{% for c in first['content'] %}{{ c }}{% endfor %}",
+            "openai",
+        ),
+        (
+            "{% set m = messages[0] %}{% set c = m.content %}{% for x in c %}{{ x }}{% endfor %}",
+            "openai",
+        ),
+        (
+            "{% for m in messages|reverse %}{% for x in m['content'] %}{% endfor %}{% endfor %}",
+            "openai",
+        ),
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+        ("{% for m in messages %}{% for key in m %}{{ key }}{% endfor %}{% endfor %}", "string"),
+        ("{% for t in tools %}{% for c in t.content %}{% endfor %}{% endfor %}", "string"),
+        ("{% set n = messages|length %}{% for c in n.content %}{% endfor %}", "string"),
+        (
+            "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% endif %}"
+            "{% endfor %}",
+            "string",
+        ),
+        ("{% for m in messages %", "string"),  # does not compile: chat is off anyway
+    ],
+)
+def test_content_format_is_read_from_the_template(template: str, want: str) -> None:
+    assert detect_content_format(template) == want
+
+
+def test_the_model_template_takes_strings() -> None:
+    assert TextTools(resolve_model("tiny")).content_format == "string"
+
+
+def test_a_template_looping_over_parts_gets_parts_like_transformers(tmp_path: Path) -> None:
+    """A template that loops over a message's content parts rendered nothing for a string
+    (or looped over its characters): it gets OpenAI's parts, strings made into one part."""
+    from transformers import AutoTokenizer
+
+    directory = resolve_model("tiny")
+    text = TextTools(directory, PARTS_TEMPLATE)
+    assert text.content_format == "openai"
+    messages = [
+        ChatMessage(role="system", content="ignored"),
+        ChatMessage(
+            role="user", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+        ),
+        ChatMessage(role="assistant", content="c"),
+        ChatMessage(role="user", content="d"),
+        ChatMessage(role="assistant"),  # no content: no parts
+    ]
+    got = text.render_chat(text.message_dicts(messages))
+    turns = "<user>[a][b]</user><assistant>[c]</assistant><user>[d]</user>"
+    assert got == turns + "<assistant></assistant><assistant>"
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Q"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "The answer"}]},
+    ]
+    want = AutoTokenizer.from_pretrained(directory).apply_chat_template(
+        parts, chat_template=PARTS_TEMPLATE, continue_final_message=True, tokenize=False
+    )
+    continued = [
+        ChatMessage(role="user", content="Q"),
+        ChatMessage(role="assistant", content="The answer"),
+    ]
+    assert text.render_chat(text.message_dicts(continued), False, True) == want
+    assert want.endswith("[The answer")
+    # Forced either way: the tiny model's template adds the content to a string.
+    forced = TextTools(directory, content_format="openai")
+    with pytest.raises(APIError, match="the chat template failed"):
+        forced.render_chat(forced.message_dicts(messages[3:4]))
+    assert TextTools(directory, PARTS_TEMPLATE, "string").content_format == "string"
+
+
+def test_chat_template_flag_reads_a_file_or_a_template(tmp_path: Path) -> None:
+    path = tmp_path / "template.jinja"
+    path.write_text(PARTS_TEMPLATE)
+    assert load_chat_template(str(path)) == PARTS_TEMPLATE
+    assert load_chat_template(PARTS_TEMPLATE) == PARTS_TEMPLATE
+    with pytest.raises(ValueError, match="looks like a path"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not compile"):
+        load_chat_template("{% for m in messages %}")
 
 
 def _stats(done: int, running: int) -> EngineStats:
