@@ -21,7 +21,7 @@ import hmac
 from dataclasses import dataclass
 
 import msgspec
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
@@ -67,6 +67,8 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
     app.state.server = state
     install_handlers(app)
     app.add_middleware(BodyLimit, limit=state.max_body_bytes)
+    if state.api_key is not None:  # before the body is read: 401 whatever it holds
+        app.add_middleware(ApiKey, key=state.api_key)
     if cors is not None:  # outermost: a preflight is answered before the key is asked for
         app.add_middleware(
             CORSMiddleware,
@@ -75,17 +77,6 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
             allow_headers=cors.headers,
             allow_credentials=cors.credentials,
         )
-
-    async def check_key(request: Request) -> None:
-        """``Authorization: Bearer KEY`` when the server has a key (compared in constant
-        time)."""
-        if state.api_key is None:
-            return
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        expected = state.api_key.encode()
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(), expected):
-            message = "a valid API key is required (Authorization: Bearer KEY)"
-            raise APIError(401, message, code="invalid_api_key")
 
     def check_generates(name: str | None) -> None:
         """400 for a generation request to a model that only embeds."""
@@ -97,7 +88,7 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
             )
             raise APIError(400, message, "model")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -172,6 +163,28 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
         return _json(DetokenizeResponse(state.text.decode(body.tokens)))
 
     return app
+
+
+class ApiKey:
+    """``Authorization: Bearer KEY`` on every ``/v1`` path, compared in constant time, and
+    checked before anything else of the request (a body that is too large or not JSON is
+    a 401 too, as in vLLM: nothing is told to a client without the key)."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.expected = key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+            authorization = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, key = authorization.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key, self.expected):
+                message = "a valid API key is required (Authorization: Bearer KEY)"
+                error = APIError(401, message, code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyLimit:

@@ -118,6 +118,13 @@ def test_models_keys_and_health(server: Served, api: openai.OpenAI) -> None:
         wrong.models.list()
     status, reply = http(server, "/v1/models", key=None)
     assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+    # Nothing of the body is looked at without the key: not JSON, or too large, is a 401.
+    for body in (b"{not json", b"x" * 300_000):
+        request = urllib.request.Request(server.url + "/v1/completions", data=body)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S)
+        assert refused.value.code == 401, body[:10]
+        assert json.loads(refused.value.read())["error"]["code"] == "invalid_api_key"
     assert http(server, "/health", key=None) == (200, {"status": "ok"})
     with pytest.raises(openai.NotFoundError) as error:
         api.completions.create(model="gpt-4", prompt="x", max_tokens=1)
