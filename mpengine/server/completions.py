@@ -261,10 +261,10 @@ class _View:
                         )
                         text = echoed + text
                 if self.body.logprobs is not None and token_ids:
-                    generated, offsets[index] = completion_logprobs(
+                    new_logprobs, offsets[index] = completion_logprobs(
                         self.state.text, token_ids, sample.logprobs or [], offsets[index]
                     )
-                    logprobs = _join(logprobs, generated)
+                    logprobs = _join(logprobs, new_logprobs)
                 choice = self._choice(
                     index,
                     text,

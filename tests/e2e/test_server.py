@@ -342,6 +342,29 @@ def test_logprobs_and_echo(api: openai.OpenAI, server: Served) -> None:
     for value, top in zip(lp.token_logprobs[len(ids) :], lp.top_logprobs[len(ids) :], strict=True):
         assert value == pytest.approx(max(top.values()))  # greedy: the chosen is the likeliest
 
+    # Streamed, with and without echo: the chunks' logprobs joined are the whole reply's
+    # (a streamed completion with logprobs once closed without a chunk).
+    for echo in (True, False):
+        stream = api.completions.create(
+            model="tiny",
+            prompt="Once upon",
+            max_tokens=4,
+            temperature=0,
+            logprobs=2,
+            echo=echo,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        tokens, values, offsets = [], [], []
+        for chunk in stream:
+            tokens += chunk.choices[0].logprobs.tokens
+            values += chunk.choices[0].logprobs.token_logprobs
+            offsets += chunk.choices[0].logprobs.text_offset
+        skip = 0 if echo else len(ids)
+        assert tokens == lp.tokens[skip:]
+        assert values == pytest.approx(lp.token_logprobs[skip:], abs=1e-6)
+        assert offsets == [o - lp.text_offset[skip] for o in lp.text_offset[skip:]]
+
 
 def test_echo_without_generation_scores_the_prompt(api: openai.OpenAI, server: Served, ipc) -> None:
     """``echo`` + ``max_tokens: 0`` returns the prompt alone with its logprobs (how
