@@ -1026,7 +1026,8 @@ class _Window:
     """The requests of one batch call in flight at once. The engine refuses a request
     (``overloaded``) once ``max_waiting_requests`` requests or ``max_waiting_tokens``
     prompt tokens wait for admission; a batch keeps at most half of each in flight (other
-    clients share the queue) and submits the rest as earlier ones finish."""
+    clients share the queue) and submits the rest as earlier ones finish, marked
+    ``continues`` (a draining engine lets the call finish)."""
 
     def __init__(self, info: EngineInfo) -> None:
         self.max_requests = self.max_tokens = 1 << 62  # an engine that does not say
@@ -1351,6 +1352,7 @@ class Client(_ClientBase):
                     _wait_batch(events, requests[done : done + 1], deadline)
                     window.pop_oldest()
                     done += 1
+                request.continues = done > 0
                 requests.append(_BatchRequest(self._conn, request, events.put))
                 window.add(request)
             _wait_batch(events, requests[done:], deadline)
@@ -1477,6 +1479,7 @@ class AsyncClient(_ClientBase):
                     await _await_batch(events, requests[done : done + 1], deadline)
                     window.pop_oldest()
                     done += 1
+                request.continues = done > 0
                 requests.append(_BatchRequest(self._conn, request, put))
                 window.add(request)
             await _await_batch(events, requests[done:], deadline)

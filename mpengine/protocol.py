@@ -383,6 +383,10 @@ class AddRequest(msgspec.Struct, **_WIRE):
     pooling: PoolingParams | None = None
     arrival_time: float = 0.0
     priority: Annotated[int, Meta(ge=-INT32_MAX - 1, le=INT32_MAX)] = 0  # lower first
+    # Part of a batch call whose earlier requests were admitted and finished (a client sends
+    # a batch's prompts in windows): a draining engine still admits it, the call being
+    # admitted work.
+    continues: bool = False
 
     def __post_init__(self) -> None:
         if (self.sampling is None) == (self.pooling is None):

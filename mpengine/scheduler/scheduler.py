@@ -175,7 +175,7 @@ class Scheduler:
         self.counters["received"] += 1
 
     def _queue(self, req: AddRequest, client_id: str) -> None:
-        if self.draining:
+        if self.aborting or (self.draining and not req.continues):
             raise RequestRejected(
                 "draining: the engine is shutting down and admits no new requests", "overloaded"
             )

@@ -124,6 +124,17 @@ def test_sigterm_drains_the_http_server(tmp_path: Path, group: bool) -> None:
             assert finishes == ["abort"] and 0 < num_tokens < LONG, (name, outcome)
 
 
+def _refused(client: mpengine.Client) -> bool:
+    """Whether a new request is refused as the engine drains (one admitted before the drain
+    signal landed finishes: the caller tries again)."""
+    try:
+        client.generate("late", SamplingParams(max_tokens=1), timeout=WAIT_S)
+    except InvalidRequestError as exc:
+        assert exc.kind == "overloaded" and "draining" in str(exc)
+        return True
+    return False
+
+
 def _generate(client: mpengine.Client, name: str, max_tokens: int, outcomes: Outcomes) -> None:
     try:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -148,15 +159,7 @@ def test_engine_shutdown_drains(start_engine) -> None:
 
     engine.stop_admitting()
 
-    def refused() -> bool:
-        try:
-            client.generate("late", SamplingParams(max_tokens=1), timeout=WAIT_S)
-        except InvalidRequestError as exc:
-            assert exc.kind == "overloaded" and "draining" in str(exc)
-            return True
-        return False  # admitted before the signal landed: it finished, try again
-
-    _wait_until(refused, WAIT_S, "new requests to be refused")
+    _wait_until(lambda: _refused(client), WAIT_S, "new requests to be refused")
     started = time.monotonic()
     engine.shutdown(drain=True, drain_timeout=1.0)
     assert time.monotonic() - started < 1.0 + 10.0
@@ -170,4 +173,37 @@ def test_engine_shutdown_drains(start_engine) -> None:
             assert (finishes, num_tokens) == (["length"], SHORT), (name, outcome)
         else:
             assert finishes == ["abort"] and 0 < num_tokens < LONG, (name, outcome)
+    client.close()
+
+
+def test_a_batch_call_admitted_before_the_drain_finishes(start_engine) -> None:
+    """A batch call sends its prompts in windows (half the waiting queue at a time): those
+    it sends after the drain began belong to admitted work and are served, while a new call
+    is refused. They were refused, failing the whole call (a large embeddings request cut
+    off by the server's SIGTERM)."""
+    engine = start_engine(model="tiny", max_waiting_requests=4, log_level="WARNING")
+    client = engine.client()
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    prompts = [f"Batch {i}" for i in range(32)]  # windows of 2: 16 rounds of 32 steps
+    outcomes = Outcomes()
+
+    def batch() -> None:
+        try:
+            outs = client.generate_many(prompts, params, timeout=WAIT_S)
+            outcomes.record("batch", [o.outputs[0].finish_reason for o in outs])
+        except Exception as exc:
+            outcomes.record("batch", "error", repr(exc))
+
+    thread = threading.Thread(target=batch)
+    thread.start()
+    try:
+        _wait_until(lambda: client.stats().admitted >= 1, WAIT_S, "the batch to start")
+        engine.stop_admitting()
+        _wait_until(lambda: _refused(client), WAIT_S, "new requests to be refused")
+        received_at_drain = client.stats().received
+    finally:
+        thread.join(WAIT_S)
+    assert not thread.is_alive(), "the batch was left hanging"
+    assert outcomes.results["batch"] == (["length"] * len(prompts),)
+    assert client.stats().received > received_at_drain  # windows admitted while draining
     client.close()
