@@ -205,7 +205,11 @@ def pooling_from_args(args: argparse.Namespace):
     from mpengine.protocol import PoolingParams
 
     try:
-        return PoolingParams(normalize=args.normalize, dimensions=args.dimensions).validate()
+        return PoolingParams(
+            normalize=args.normalize,
+            dimensions=args.dimensions,
+            truncate_prompt_tokens=args.truncate_prompt_tokens,
+        ).validate()
     except (msgspec.ValidationError, ValueError) as exc:
         raise SystemExit(f"mpengine: invalid pooling parameters: {exc}") from None
 
@@ -291,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--dimensions", type=int, default=None, help="keep the first N values (Matryoshka)"
+    )
+    group.add_argument(
+        "--truncate-prompt-tokens",
+        type=int,
+        default=None,
+        help="embed at most the first N tokens of each text (-1: as many as the model takes); "
+        "by default a longer text is an error",
     )
     add_engine_args(embed)
     embed.set_defaults(func=cmd_embed)

@@ -1195,8 +1195,9 @@ class _ClientBase:
             if not prompt.strip():
                 raise InvalidRequestError("the input is empty (or only whitespace)")
             limit = params.truncate_prompt_tokens
-            if limit == -1:
-                limit = self.info.max_model_len
+            if limit is not None:  # as the engine truncates ids: at most max_model_len
+                most = self.info.max_model_len
+                limit = most if limit == -1 else min(limit, most)
             prompt = self.tokenize(prompt, max_length=limit)
         request_id = self._request_id(request_id)
         return AddRequest(

@@ -277,9 +277,10 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown
 
     ``None`` means the model's default (``pooling`` and ``normalize`` as its
     sentence-transformers configuration says). ``dimensions`` keeps the first N values
-    (Matryoshka), then normalises. ``truncate_prompt_tokens=K`` keeps the first K tokens of a
-    longer prompt (text is truncated by the tokenizer, special tokens kept); ``-1`` means
-    ``max_model_len``. Without it a prompt longer than the model takes is an error.
+    (Matryoshka), normalised again when the embedding is normalised.
+    ``truncate_prompt_tokens=K`` keeps the first K tokens of a longer prompt (text is
+    truncated by the tokenizer, special tokens kept); ``-1``, or more than the model takes,
+    means ``max_model_len``. Without it a prompt longer than the model takes is an error.
     """
 
     pooling: Pooling | None = None

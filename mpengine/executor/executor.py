@@ -73,6 +73,12 @@ class Executor:
         self.config = config
         memory = _gpu_memory_start(config)
         self.loaded: LoadedModel = load_model(config)
+        if self.loaded.is_encoder and config.max_num_batched_tokens < self.loaded.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) is below max_model_len "
+                f"({self.loaded.max_model_len}): an encoder computes each input whole in one "
+                "step; raise max_num_batched_tokens or lower max_model_len"
+            )
         self.model = self.loaded.model
         self.device = self.loaded.device
         spec = KVCacheSpec(

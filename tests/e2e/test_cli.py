@@ -66,15 +66,17 @@ def test_generate_prints_completions():
 def test_embed_prints_embeddings():
     texts = ["Hello there", "The sea is calm"]
     cmd = [sys.executable, "-m", "mpengine.cli", "embed", "--model", "tiny-bert"]
-    cmd += ["--dimensions", "16", "--log-level", "WARNING", *texts]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd += ["--dimensions", "16", "--truncate-prompt-tokens", "5", "--log-level", "WARNING"]
+    done = subprocess.run([*cmd, *texts], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in done.stdout.splitlines()]
     tokenizer = Tokenizer.from_file(os.path.join(resolve_model("tiny-bert"), "tokenizer.json"))
     assert [r["index"] for r in records] == [0, 1]
+    # At most 5 tokens each ("The sea is calm" has 6 with [CLS] and [SEP]).
     assert [r["num_prompt_tokens"] for r in records] == [
-        len(tokenizer.encode(t).ids) for t in texts
+        min(5, len(tokenizer.encode(t).ids)) for t in texts
     ]
+    assert records[1]["num_prompt_tokens"] == 5
     for record in records:  # the first 16 values, normalised (tiny-bert's default)
         assert len(record["embedding"]) == 16
         assert abs(np.linalg.norm(record["embedding"]) - 1.0) < 1e-5

@@ -150,6 +150,12 @@ def test_truncation(bert):
     # Text keeps the tokenizer's framing ([CLS] ... [SEP]), as transformers' truncation does.
     assert out.prompt_token_ids[0] == ids[0] and out.prompt_token_ids[-1] == ids[-1]
     assert_close(out.embedding, reference("tiny-bert", out.prompt_token_ids, "mean"))
+    # A limit beyond the model's is the model's: the text keeps its framing ([SEP] was cut).
+    over = "word " * (limit + 10)
+    beyond = bert.embed(over, PoolingParams(truncate_prompt_tokens=limit + 50), timeout=TIMEOUT)
+    whole = bert.embed(over, PoolingParams(truncate_prompt_tokens=-1), timeout=TIMEOUT)
+    assert beyond.prompt_token_ids == whole.prompt_token_ids
+    assert len(whole.prompt_token_ids) == limit and whole.prompt_token_ids[-1] == ids[-1]
     # Token ids are cut to their first K.
     cut = bert.embed(ids, PoolingParams(truncate_prompt_tokens=20), timeout=TIMEOUT)
     assert cut.prompt_token_ids == ids[:20]
@@ -191,3 +197,12 @@ def test_a_pooling_the_model_cannot_serve_is_refused_at_start(model, pooling, me
     """Accepted before: every request then failed, naming the request's field."""
     with pytest.raises(mpengine.EngineStartError, match=message):
         mpengine.launch(model=model, pooling=pooling, runtime="serial", log_level="ERROR")
+
+
+def test_an_encoder_whose_inputs_cannot_fit_a_step_is_refused_at_start():
+    """An encoder computes an input whole: with a step budget below the model's length, a
+    long input failed even when it asked to be truncated."""
+    with pytest.raises(mpengine.EngineStartError, match=r"max_num_batched_tokens .* below"):
+        mpengine.launch(
+            model="tiny-bert", max_num_batched_tokens=64, runtime="serial", log_level="ERROR"
+        )
