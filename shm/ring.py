@@ -200,6 +200,7 @@ class Ring:
         cap = self.capacity
         w = self._w
         pos = w % cap
+        skip = -1
         if size <= cap - pos:
             if w + size - cap > self._r_seen:
                 self._reserve(w + size - cap, timeout)
@@ -211,12 +212,12 @@ class Ring:
             need = min(w, lap_end + size - cap)
             if need > self._r_seen:
                 self._reserve(need, timeout)
-            self._skip.value = w
-            w = lap_end
-            pos = 0
+            skip, w, pos = w, lap_end, 0
         self._hdr[pos >> 3] = n
         start = HEADER_SIZE + 8 + pos
         self._buf[start : start + n] = frame
+        if skip >= 0:  # the lap end is skipped once the record is there (a copy that raised,
+            self._skip.value = skip  # for a frame of the wrong type, leaves the ring as it was)
         w += size
         self._w = w
         self._wcur.value = w  # publish: the record is complete in memory before this store
@@ -238,6 +239,8 @@ class Ring:
         """Remove and return the next frame (a copy), blocking while the ring is empty."""
         # get, get_view and _release_view repeat the record lookup and release inline: as
         # shared helpers they cost ~1 us more per hop (measured with tools/bench_ipc.py).
+        if self._view_size >= 0:  # it would return the viewed frame again, then lose one
+            raise RuntimeError(f"{self.name}: a view is still open")
         r = self._r
         if (r == self._w_seen or r == self._skip_seen) and (r := self._seek(timeout)) < 0:
             raise TimeoutError(f"{self.name}: empty")
@@ -254,6 +257,8 @@ class Ring:
 
     def try_get(self) -> bytes | None:
         """The next frame, or None if the ring is empty right now (never waits)."""
+        if self._view_size >= 0:
+            raise RuntimeError(f"{self.name}: a view is still open")
         r = self._r
         if (r == self._w_seen or r == self._skip_seen) and self._seek(0) < 0:
             return None
@@ -271,7 +276,7 @@ class Ring:
         Raises TimeoutError before the block if no frame arrives in time.
         """
         if self._view_size >= 0:
-            raise RuntimeError(f"{self.name}: the previous view is still open")
+            raise RuntimeError(f"{self.name}: a view is still open")
         r = self._r
         if (r == self._w_seen or r == self._skip_seen) and (r := self._seek(timeout)) < 0:
             raise TimeoutError(f"{self.name}: empty")

@@ -166,6 +166,36 @@ def test_view_is_zero_copy_read_only_and_scoped(ring: Ring) -> None:
         bytes(mv)  # released on exit
 
 
+def test_reads_while_a_view_is_open_are_refused(ring: Ring) -> None:
+    """get/try_get inside a view returned the viewed frame again, then lost the next."""
+    ring.put(b"first")
+    ring.put(b"second")
+    with ring.get_view(timeout=0) as mv:
+        for read in (lambda: ring.get(timeout=0), ring.try_get, lambda: ring.get_view(0)):
+            with pytest.raises(RuntimeError, match="a view is still open"):
+                read()
+        assert mv == b"first"
+    assert ring.get(timeout=0) == b"second"
+
+
+def test_a_put_whose_copy_fails_at_a_lap_end_publishes_nothing(ring: Ring) -> None:
+    """A frame that cannot be copied (a non-contiguous view) where the ring wraps left the
+    lap end marked skipped: the next frame was lost and the reader passed the writer."""
+    ring.put(b"a" * 100)
+    assert ring.get(timeout=0) == b"a" * 100
+    strided = memoryview(bytes(400))[::2]  # 200 bytes, not contiguous: does not fit the lap
+    with pytest.raises((BufferError, ValueError, TypeError)):
+        ring.put(strided, timeout=0)
+    with pytest.raises(TypeError):
+        ring.put("a str", timeout=0)  # type: ignore[arg-type]
+    assert ring.used_bytes == 0 and ring.try_get() is None
+    ring.put(b"b" * 30, timeout=0)  # fits this lap: the reader skipped to the next one
+    assert ring.get(timeout=0) == b"b" * 30
+    ring.put(b"c" * 120, timeout=0)  # wraps
+    assert ring.get(timeout=0) == b"c" * 120
+    assert ring.try_get() is None and ring.used_bytes == 0
+
+
 def test_view_block_that_raises_still_consumes_the_frame(ring: Ring) -> None:
     ring.put(b"poison")
     ring.put(b"next")
