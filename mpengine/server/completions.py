@@ -135,7 +135,7 @@ class _View:
         self, index: int, prompt_logprobs: list[dict[int, float] | None] | None
     ) -> tuple[str, CompletionLogprobs | None, int]:
         """What ``echo`` puts first in a choice: the prompt's text and, with logprobs, its
-        tokens' logprobs; and the text offset after it."""
+        tokens' logprobs; and the text offset of the token after it."""
         text = self._prompt_text(index)
         if self.body.logprobs is None:
             return text, None, len(text)
@@ -147,8 +147,10 @@ class _View:
                 row and _top(row, ids[i], self.body.logprobs)
                 for i, row in enumerate(prompt_logprobs)
             ]
-        logprobs, _ = completion_logprobs(self.state.text, ids, rows, 0)
-        return text, logprobs, len(text)
+        # Offsets count the tokens' own texts, as vLLM's do: a token that is part of a
+        # character reads as U+FFFD, so they may differ from the text's length.
+        logprobs, offset = completion_logprobs(self.state.text, ids, rows, 0)
+        return text, logprobs, offset
 
     def _choice(
         self,

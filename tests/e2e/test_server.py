@@ -342,6 +342,16 @@ def test_logprobs_and_echo(api: openai.OpenAI, server: Served) -> None:
     for value, top in zip(lp.token_logprobs[len(ids) :], lp.top_logprobs[len(ids) :], strict=True):
         assert value == pytest.approx(max(top.values()))  # greedy: the chosen is the likeliest
 
+    # Offsets add up the tokens' own texts, through the prompt and on (as vLLM's): a prompt
+    # of parts of a character (each reads as U+FFFD) sent them backwards at the first
+    # generated token.
+    parts = api.completions.create(
+        model="tiny", prompt=[341, 239, 234], max_tokens=2, temperature=0, logprobs=0, echo=True
+    ).choices[0]
+    offsets, tokens = parts.logprobs.text_offset, parts.logprobs.tokens
+    assert len(offsets) == 5
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
     # Streamed, with and without echo: the chunks' logprobs joined are the whole reply's
     # (a streamed completion with logprobs once closed without a chunk).
     for echo in (True, False):
