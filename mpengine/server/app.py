@@ -142,6 +142,8 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
         if body.chat_template is not None:
             raise APIError(400, CHAT_TEMPLATE_REFUSED, "chat_template")
         if body.messages is not None:
+            if not body.messages:  # as chat completions refuse it
+                raise APIError(400, "messages is empty: give at least one message", "messages")
             chat = ChatCompletionRequest(
                 messages=body.messages,
                 add_generation_prompt=body.add_generation_prompt,

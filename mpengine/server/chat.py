@@ -47,7 +47,7 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[i
         body.continue_final_message,
         extra,
     )
-    (ids,) = await state.text.encode([text], add_special_tokens=False)
+    (ids,) = await state.text.encode([text], add_special_tokens=body.add_special_tokens)
     return ids
 
 
@@ -56,10 +56,6 @@ async def create_chat_completion(
 ) -> Response:
     model = state.check_model(body.model)
     state.check_admitting()
-    if body.tools:
-        raise bad_request("tools are not supported", "tools")
-    if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise bad_request("only the text response_format is supported", "response_format")
     if not body.messages:
         raise bad_request("messages is empty: give at least one message", "messages")
     if misuse := body.misuse():

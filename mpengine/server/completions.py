@@ -46,18 +46,14 @@ async def create_completion(
         raise bad_request("suffix is not supported", "suffix")
     if misuse := body.misuse():
         raise bad_request(*misuse)
-    if body.stream and body.use_beam_search:
-        raise bad_request(
-            "beam search cannot be streamed: the best beams are known only at the end",
-            "use_beam_search",
-        )
-    if body.stream and body.best_of is not None and body.best_of > body.n:
+    # (Beams are sent whole as each ends; best_of is then the beam width, as in vLLM.)
+    if body.stream and not body.use_beam_search and (body.best_of or 0) > body.n:
         raise bad_request(
             f"best_of ({body.best_of}) > n ({body.n}) cannot be streamed: the best samples "
             "are known only when all have ended",
             "best_of",
         )
-    texts, prompts = await _prompts(state, body.prompt)
+    texts, prompts = await _prompts(state, body.prompt, body.add_special_tokens)
     kept = state.truncate(prompts, body.truncate_prompt_tokens)
     texts = [t if len(a) == len(b) else None for t, a, b in zip(texts, prompts, kept, strict=True)]
     prompts = kept
@@ -85,7 +81,9 @@ async def create_completion(
 
 
 async def _prompts(
-    state: ServerState, prompt: str | list[str] | list[int] | list[list[int]]
+    state: ServerState,
+    prompt: str | list[str] | list[int] | list[list[int]],
+    add_special_tokens: bool = True,
 ) -> tuple[list[str | None], list[list[int]]]:
     """Each prompt's text (None for token ids) and token ids."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -97,7 +95,7 @@ async def _prompts(
     state.check_count(len(items), "prompt")
     texts = [item if isinstance(item, str) else None for item in items]
     strings = [t for t in texts if t is not None]
-    encoded = iter(await state.text.encode(strings) if strings else [])
+    encoded = iter(await state.text.encode(strings, add_special_tokens) if strings else [])
     ids = [next(encoded) if isinstance(item, str) else item for item in items]
     if any(not p for p in ids):
         raise bad_request("prompt is empty", "prompt")

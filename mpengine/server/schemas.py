@@ -11,6 +11,7 @@ when unset.
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -24,7 +25,10 @@ from mpengine.protocol import PoolingParams, SamplingParams, lone_surrogate
 TokenId = Annotated[int, Strict()]
 
 
+logger = logging.getLogger(__name__)
+
 _JSON = msgspec.json.Encoder()
+_IGNORED_LOGGED: set[tuple[str, str]] = set()  # (request kind, field): warned once each
 CHAT_TEMPLATE_REFUSED = "chat_template in a request is not accepted: the model's own is used"
 
 
@@ -57,7 +61,35 @@ def unicode_text(value: Any) -> Any:
 
 
 class RequestModel(BaseModel):
-    """A request body: every string in it must be Unicode text (``unicode_text``)."""
+    """A request body: every string in it must be Unicode text (``unicode_text``). An
+    explicit ``null`` for a field that has a default means that default (OpenAI documents
+    ``n``, ``stream``, ``echo``... as nullable, and clients send ``null`` for unset ones).
+    Fields the server does not know are ignored with a warning in the log, as vLLM does."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_and_unknowns(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        if cls.model_config.get("extra") != "allow":
+            for name in data.keys() - fields.keys():
+                if (cls.__name__, name) not in _IGNORED_LOGGED and len(_IGNORED_LOGGED) < 256:
+                    _IGNORED_LOGGED.add((cls.__name__, name))
+                    logger.warning(
+                        "%s: the field %r is not supported and is ignored",
+                        cls.__name__,
+                        name[:100],
+                    )
+        nulls = [
+            name
+            for name, value in data.items()
+            if value is None
+            and name in fields
+            and not fields[name].is_required()
+            and fields[name].default is not None
+        ]
+        return {k: v for k, v in data.items() if k not in nulls} if nulls else data
 
     @field_validator("*")
     @classmethod
@@ -79,6 +111,15 @@ class StreamOptions(RequestModel):
     @property
     def continuous(self) -> bool:
         return self.include_usage and self.continuous_usage_stats
+
+
+STRUCTURED_FIELDS = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 
 class SamplingFields(RequestModel):
@@ -112,6 +153,14 @@ class SamplingFields(RequestModel):
     early_stopping: bool | Literal["never"] = False
     truncate_prompt_tokens: int | None = None
     priority: int = 0  # vLLM's: lower runs first (--scheduling-policy priority)
+    # Constrained outputs, refused (``misuse``): ignoring them would return text that does
+    # not follow the format asked for. OpenAI's ``response_format``, vLLM's fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[Any] | None = None
+    guided_grammar: str | None = None
 
     def engine_names(self, best_of: int | None = None) -> dict[str, str]:
         """The request's names of engine fields it sets under another name."""
@@ -123,6 +172,11 @@ class SamplingFields(RequestModel):
         """(message, field) of options that only make sense with others, as vLLM refuses them."""
         if self.stream_options is not None and not self.stream:
             return "stream_options can only be given with stream: true", "stream_options"
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            return "response_format: only the text format is supported", "response_format"
+        for name in STRUCTURED_FIELDS:
+            if getattr(self, name) is not None:
+                return "structured outputs (guided decoding) are not supported", name
         return None
 
     def sampling_params(
@@ -189,6 +243,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     prompt_logprobs: int | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS... on text prompts
 
 
 class ChatMessage(RequestModel):
@@ -213,11 +268,17 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None  # vLLM's; refused: the model's own template is used
     echo: bool = False
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # vLLM's: the rendered template holds the special tokens already, so none by default.
+    add_special_tokens: bool = False
 
     def misuse(self) -> tuple[str, str] | None:
         if self.chat_template is not None:
             return CHAT_TEMPLATE_REFUSED, "chat_template"
+        if self.tools:
+            return "tools are not supported", "tools"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice needs tools, which are not supported", "tool_choice"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs: true", "top_logprobs"
         if self.stream and self.prompt_logprobs is not None:

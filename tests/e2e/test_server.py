@@ -313,10 +313,22 @@ def test_beam_search_equals_the_client_library(api: openai.OpenAI, ipc: mpengine
             model="tiny", prompt=[5, 6, 7, 8], max_tokens=4, n=2, extra_body=extra
         )
         assert all(c.model_extra["token_ids"] for c in reply.choices), penalty
-    with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
-        api.completions.create(
-            model="tiny", prompt="a", stream=True, extra_body={"use_beam_search": True}
-        )
+    # Streamed (as vLLM allows): each beam comes whole once the search ends.
+    extra = {"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True}
+    stream = api.completions.create(
+        model="tiny",
+        prompt=[5, 6, 7, 8],
+        max_tokens=6,
+        n=2,
+        best_of=4,
+        stream=True,
+        extra_body=extra,
+    )
+    streamed: dict[int, list[int]] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed.setdefault(choice.index, []).extend(choice.model_extra["token_ids"])
+    assert [streamed[i] for i in sorted(streamed)] == [o.token_ids for o in expected.outputs]
 
 
 def test_logprobs_and_echo(api: openai.OpenAI, server: Served) -> None:
@@ -589,6 +601,8 @@ def test_chat_prompt_logprobs_parts_and_tokenize_options(server: Served, ipc) ->
     )
     closed = tokenize(server, messages=turns, add_generation_prompt=False)
     assert continued != closed and len(continued) < len(closed)
+    status, reply = http(server, "/tokenize", {"messages": []})
+    assert status == 400 and reply["error"]["param"] == "messages"
 
 
 def test_continuous_usage_stats_count_each_choice_so_far(api: openai.OpenAI) -> None:

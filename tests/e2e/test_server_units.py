@@ -3,6 +3,7 @@ templates, health."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from pydantic import ValidationError
 from mpengine.errors import EngineDeadError, InvalidRequestError
 from mpengine.metrics import ServerMetrics
 from mpengine.protocol import EngineStats
+from mpengine.server.completions import _prompts
 from mpengine.server.errors import APIError, field_of, from_engine
 from mpengine.server.health import EngineMonitor
 from mpengine.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -288,6 +290,72 @@ def test_chat_template_flag_reads_a_file_or_a_template(tmp_path: Path) -> None:
         load_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="does not compile"):
         load_chat_template("{% for m in messages %}")
+
+
+def test_null_means_the_default() -> None:
+    """OpenAI documents n, stream, echo, logprobs... as nullable: a client that sends null
+    for them got a 400."""
+    nulls = dict.fromkeys(
+        ("n", "stream", "echo", "ignore_eos", "min_tokens", "priority", "use_beam_search"), None
+    )
+    nulls |= {"stream_options": {"include_usage": None}, "include_stop_str_in_output": None}
+    body = CompletionRequest(prompt="x", **nulls)
+    assert (body.n, body.stream, body.echo, body.ignore_eos, body.min_tokens) == (
+        1,
+        False,
+        False,
+        False,
+        0,
+    )
+    assert body.stream_options.include_usage is False
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=None, n=None)
+    assert (chat.logprobs, chat.n) == (False, 1)
+    with pytest.raises(ValidationError, match="prompt"):
+        CompletionRequest(prompt=None)  # a required field stays required
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+        ({"guided_choice": ["a"]}, "guided_choice"),
+    ],
+)
+def test_constrained_outputs_are_refused_by_both_endpoints(fields: dict, param: str) -> None:
+    """Ignored before by completions: text that does not follow the format, with a 200."""
+    completion = CompletionRequest(prompt="x", **fields)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields)
+    for body in (completion, chat):
+        message, field = body.misuse()
+        assert field == param and "supported" in message
+    assert CompletionRequest(prompt="x", response_format={"type": "text"}).misuse() is None
+
+
+def test_tool_choice_needs_tools() -> None:
+    messages = [{"role": "user", "content": "x"}]
+    assert ChatCompletionRequest(messages=messages, tool_choice="none").misuse() is None
+    assert ChatCompletionRequest(messages=messages, tool_choice="auto").misuse()[1] == "tool_choice"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert ChatCompletionRequest(messages=messages, tools=tools).misuse()[1] == "tools"
+
+
+def test_unknown_fields_are_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="mpengine.server.schemas"):
+        CompletionRequest(prompt="x", not_a_field_anywhere=1)
+        CompletionRequest(prompt="x", not_a_field_anywhere=2)  # warned once
+    warned = [r for r in caplog.records if "not_a_field_anywhere" in r.getMessage()]
+    assert len(warned) == 1
+
+
+def test_completion_prompts_take_add_special_tokens() -> None:
+    """vLLM's add_special_tokens for text prompts (tiny-llama's tokenizer adds a BOS); it
+    was ignored."""
+    state = SimpleNamespace(text=TextTools(resolve_model("tiny-llama")), check_count=print)
+    _, (with_bos,) = asyncio.run(_prompts(state, "hi"))
+    _, (without,) = asyncio.run(_prompts(state, "hi", add_special_tokens=False))
+    assert len(with_bos) == len(without) + 1 and with_bos[1:] == without
 
 
 def _stats(done: int, running: int) -> EngineStats:
