@@ -425,6 +425,10 @@ class Scheduler:
                 continue
             if reason == "error":  # what its failed step wrote is not to be reused
                 self.blocks.forget(seq.block_ids)
+            elif reason != "abort" and seq.request.beam_search and not seq.finished:
+                # The beam step that ended the search decided one token per beam too; no
+                # continuation comes back for it (``_continue_beams`` counts the others).
+                self.counters["generated_tokens"] += 1
             if not seq.finished:  # (a pooling sequence finished when its last chunk was planned)
                 self._finish(seq)
         self.done = max(self.done, feedback.step)

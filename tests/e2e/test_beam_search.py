@@ -92,6 +92,26 @@ def test_equals_transformers(engine, width, n, penalty, early):
         assert stats.preemptions > 0, "8 beams of these prompts do not fit the KV cache at once"
 
 
+def test_generated_tokens_count_every_beam_step(engine):
+    """The step that ends a search decides a token per beam too (it went uncounted: a
+    benchmark's beam tokens/s came out (max_tokens - 1) / max_tokens of the truth)."""
+    _, eng = engine
+    params = SamplingParams(
+        max_tokens=5,
+        use_beam_search=True,
+        beam_width=2,
+        n=2,
+        ignore_eos=True,
+        early_stopping="never",
+    )
+    with eng.client(timeout=TIMEOUT) as client:
+        before = wait_idle(client).generated_tokens
+        outs = client.generate_many([[5, 6, 7], [8, 9]], params, timeout=TIMEOUT)
+        after = wait_idle(client).generated_tokens
+    assert [len(o.token_ids) for out in outs for o in out.outputs] == [5] * 4
+    assert after - before == 2 * 2 * 5
+
+
 def test_beam_search_is_not_streamed_and_is_checked(engine):
     _, eng = engine
     with eng.client(timeout=TIMEOUT) as client:
