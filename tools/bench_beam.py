@@ -97,7 +97,7 @@ def main() -> None:
     )
     print("|---|---|---|---|")
     for mode in modes:
-        rate = median(mode, "tokens") / median(mode, "seconds")
+        rate = statistics.median(r["tokens"] / r["seconds"] for r in results[mode])
         steps, per_step = median(mode, "steps"), median(mode, "ms_per_step")
         print(f"| {mode} | {rate:.0f} | {steps:.0f} | {per_step:.2f} |")
     beam, sample = modes

@@ -3,8 +3,8 @@
     python tools/bench_executor.py [--model tiny] [--seqs 1 16 64 256] \\
         [--contexts 128 512 1024] [--backends torch] [--json bench_executor.json]
 
-Per attention backend (default: those this machine runs, torch on the CPU, triton and torch
-on a GPU; ``default`` leaves the choice to the executor) and context length: one executor
+Per attention backend (default: those this machine runs, native and torch on the CPU, triton
+and torch on a GPU; ``default`` leaves the choice to the executor) and context length: one executor
 prefills the largest sequence count with prompts of that length in steps of
 ``--prefill-tokens`` tokens (prefill tokens/s), then, per sequence count ``n``, times
 
@@ -15,7 +15,8 @@ prefills the largest sequence count with prompts of that length in steps of
 
 Decodes recompute the same position each step (``-1``: the slot's last sampled token), so
 contexts stay fixed. Prints the median wall time per step and the median process CPU time
-(a busy machine inflates it less), writes every sample to JSON.
+(a busy machine inflates it less) over ``--steps`` steps after two warm-up ones, writes every
+sample to JSON.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ class Bench:
         ones = np.ones(n, np.int32)
         return [
             self.timed(plan(self.next_step(), slots, starts, ones, -ones))
-            for _ in range(self.args.steps)
+            for _ in range(WARM_UP_STEPS + self.args.steps)
         ]
 
     def mixed(self, n: int) -> list[tuple[float, float]]:
@@ -168,7 +169,7 @@ class Bench:
         rows = np.arange(self.blocks_per_seq, dtype=np.int32)
         blocks = (np.full(self.blocks_per_seq, m, np.int32), rows, self.owned[m])
         samples = []
-        for _ in range(self.args.steps):
+        for _ in range(WARM_UP_STEPS + self.args.steps):
             # The chunk's slot restarts each time, reusing its blocks.
             fresh = [start_seq(m, m, chunk, self.params)]
             p = plan(self.next_step(), slots, starts, num_tokens, token_ids, fresh, blocks)
@@ -183,8 +184,11 @@ class Bench:
         return time.perf_counter() - wall, time.process_time() - cpu
 
 
+WARM_UP_STEPS = 2  # timed, left out of the medians (kept in the samples)
+
+
 def medians(samples: list[tuple[float, float]]) -> dict:
-    kept = samples[2:] if len(samples) > 4 else samples  # the first steps warm up
+    kept = samples[WARM_UP_STEPS:]
     return {
         "wall_ms": statistics.median(w for w, _ in kept) * 1e3,
         "cpu_ms": statistics.median(c for _, c in kept) * 1e3,
@@ -199,12 +203,16 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024])
     parser.add_argument("--backends", nargs="+", default=None)
     parser.add_argument("--chunk", type=int, default=193)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument(
+        "--steps", type=int, default=10, help="timed steps per row, after 2 warm-up ones"
+    )
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--json", default="bench_executor.json")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     backends = args.backends or (
         ["triton", "torch"] if torch.cuda.is_available() else ["native", "torch"]
     )
@@ -251,7 +259,7 @@ def main() -> None:
         json.dump(
             {
                 "model": args.model,
-                "threads": torch.get_num_threads(),
+                "threads": args.threads or "the executor's policy",
                 "chunk": args.chunk,
                 "steps": args.steps,
                 "device": "cuda" if torch.cuda.is_available() else "cpu",

@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--stop", action="store_true", help="give every request 2 stop strings")
     parser.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token")
     args = parser.parse_args()
+    if args.seqs < 1 or args.steps < 1:
+        parser.error("--seqs and --steps must be at least 1")
 
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = write_tokenizer(QWEN3_TOKENIZER, Path(tmp))

@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import mpengine
 from mpengine import SamplingParams
@@ -92,6 +93,16 @@ def workload(args: argparse.Namespace, vocab_size: int) -> list[Request]:
         prompt = [rng.randrange(100, vocab_size) for _ in range(prompt_len)]
         requests.append(Request(prompt, rng.randint(args.output_min, args.output_max)))
     return requests
+
+
+def _nan_to_none(value: Any) -> Any:
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_to_none(v) for v in value]
+    return value
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -321,6 +332,7 @@ def hf_static(requests: list[Request], args: argparse.Namespace, model_path: str
 
 
 def median_result(results: list[Result]) -> Result:
+    """Every figure's median over the rounds (request and preemption counts too)."""
     numbers = {
         name: statistics.median(getattr(r, name) for r in results)
         for name in Result.__dataclass_fields__
@@ -330,8 +342,8 @@ def median_result(results: list[Result]) -> Result:
     return Result(
         first.mode,
         first.load,
-        first.requests,
-        preemptions=sum(r.preemptions for r in results),
+        round(statistics.median(r.requests for r in results)),
+        preemptions=round(statistics.median(r.preemptions for r in results)),
         **numbers,  # type: ignore[arg-type]
     )
 
@@ -349,7 +361,7 @@ def print_table(results: list[Result]) -> None:
             f"{r.tokens_per_s:>9.0f}{r.ttft_p50_ms:>10.1f}{r.ttft_p99_ms:>8.1f}"
             f"{r.itl_p50_ms:>9.1f}{r.itl_p99_ms:>8.1f}{r.preemptions:>9}"
         )
-    print("(latencies in ms, client-measured; medians over rounds)")
+    print("(latencies in ms, client-measured; every column a median over rounds)")
 
 
 async def bench(args: argparse.Namespace, url: str, address: str) -> dict:
@@ -430,8 +442,8 @@ def main() -> None:
         "http_added": added,
         "ratios": ratios,
     }
-    with open(args.json, "w") as out:
-        json.dump(record, out, indent=2)
+    with open(args.json, "w") as out:  # NaN (no inter-token latency) as null: strict JSON
+        json.dump(_nan_to_none(record), out, indent=2)
     print(f"wrote {args.json}")
 
 

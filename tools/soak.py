@@ -126,7 +126,10 @@ def main() -> None:
                 print("KV blocks were not all freed", file=sys.stderr)
                 failed = True
     finished = history[-1]["finished"] if history else 0
-    print(f"requests finished: {finished}; outcomes by finish reason: {dict(outcomes)}")
+    print(
+        f"engine requests finished: {finished}; outcomes seen by the clients (one per sample, "
+        f"or per refused request): {dict(outcomes)}"
+    )
     if len(history) > 2:
         for name, last in history[-1]["anon_mib"].items():
             first = history[1]["anon_mib"][name]
