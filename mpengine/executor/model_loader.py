@@ -5,7 +5,8 @@ Three kinds: a causal LM (generates; embeds too when its directory declares pool
 with :data:`~mpengine.executor.attention.ATTENTION_NAME` swapped in; and an encoder (BERT
 family: embeds only), run with upstream attention over padded batches of whole prompts, no
 KV cache. The model code stays upstream's. What the engine cannot reproduce exactly is
-rejected here, at start-up, with a message that says what to change.
+rejected here, at start-up, with a message that says what to change (for decoders, after a
+test forward that shows what their attention does: ``model_audit``).
 
 Pooling is read where sentence-transformers writes it: ``modules.json`` lists the modules
 (a ``Pooling`` module's ``config.json`` names the mode, a ``Normalize`` module normalises),
@@ -34,6 +35,7 @@ from transformers.utils import logging as hf_logging
 
 from mpengine.config import EngineConfig
 from mpengine.executor.attention import ATTENTION_NAME, register_attention
+from mpengine.executor.model_audit import UnsupportedModel, audit_attention
 from mpengine.protocol import Pooling, PoolingInfo
 
 logger = logging.getLogger(__name__)
@@ -139,6 +141,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     max_model_len = _max_model_len(config, text_config, declared.max_seq_length)
     _check_rope(text_config, max_model_len)
     _check_sliding_window(text_config, max_model_len)
+    _check_chunked_attention(text_config, max_model_len)
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, text_config, device)
@@ -149,13 +152,40 @@ def load_model(config: EngineConfig) -> LoadedModel:
     else:
         register_attention()
         auto_class = AutoModelForCausalLM if kind == "causal" else AutoModel
-        model = auto_class.from_pretrained(path, attn_implementation=ATTENTION_NAME, dtype=dtype)
+        try:
+            model = auto_class.from_pretrained(
+                path, attn_implementation=ATTENTION_NAME, dtype=dtype
+            )
+        except KeyError as exc:
+            if exc.args != (ATTENTION_NAME,):
+                raise
+            raise NotImplementedError(
+                f"{hf_config.model_type} models cannot be served: their code does not take "
+                "an attention function through transformers' attention interface"
+            ) from None
     model.to(device).eval()
+    geometry = None
+    if kind != "encoder":
+        try:
+            geometry = audit_attention(
+                model, text_config.num_hidden_layers, kind == "causal", device
+            )
+        except UnsupportedModel as exc:
+            raise NotImplementedError(
+                f"{type(model).__name__} cannot be served exactly: {exc}"
+            ) from None
 
     pooling = _pooling_info(config, kind, declared, text_config.hidden_size)
-    num_heads = text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
-    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    if geometry is not None:  # what the layers' attention calls showed
+        num_heads, num_kv_heads, head_dim = (
+            geometry.num_heads,
+            geometry.num_kv_heads,
+            geometry.head_dim,
+        )
+    else:
+        num_heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     output = model.get_output_embeddings() if kind == "causal" else None
     vocab_size = (output or model.get_input_embeddings()).weight.shape[0]
     logger.info(
@@ -370,6 +400,16 @@ def _check_sliding_window(text_config: PretrainedConfig, max_model_len: int) -> 
         f"sliding-window attention (window {window}) is not supported: "
         f"set max_model_len <= {window}"
     )
+
+
+def _check_chunked_attention(text_config: PretrainedConfig, max_model_len: int) -> None:
+    """Llama 4's chunked attention (a layer attends within aligned chunks only) binds once
+    a context is longer than a chunk; it is not implemented."""
+    chunk = getattr(text_config, "attention_chunk_size", None)
+    if chunk is not None and chunk < max_model_len:
+        raise NotImplementedError(
+            f"chunked attention (chunks of {chunk}) is not supported: set max_model_len <= {chunk}"
+        )
 
 
 def _eos_token_ids(path: str, text_config: PretrainedConfig) -> list[int]:
