@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -109,8 +110,22 @@ def open_mpq(spec: dict[str, Any], parent: bool) -> tuple[Send, Recv, Callable[[
 TRANSPORTS = {"shm": open_shm, "zmq": open_zmq, "mpq": open_mpq}
 
 
+def exit_with_parent() -> None:
+    """End this process once the benchmark's is gone (killed, it cannot stop its children,
+    and a child blocked on a read would wait forever)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def child(spec: dict[str, Any]) -> None:
     """Echo ``lat_iters`` pings, then sink ``tput_frames`` frames and send one ack."""
+    exit_with_parent()
     send, recv, close = TRANSPORTS[spec["transport"]](spec, parent=False)
     delay = spec["echo_delay_us"] * 1e-6
     for _ in range(spec["lat_iters"]):
@@ -128,8 +143,12 @@ def child(spec: dict[str, Any]) -> None:
 
 
 def burn() -> None:
-    while True:
-        pass
+    """Keep a core busy until the benchmark's process is gone (a SIGTERM or SIGKILL to it
+    skips the cleanup that stops its burners)."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        for _ in range(100_000):
+            pass
 
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
