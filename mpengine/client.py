@@ -1101,6 +1101,7 @@ class _ClientBase:
         self._timeout = timeout
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_lock = threading.Lock()
+        self._tokenizer_fetch: asyncio.Future | None = None  # AsyncClient's fetch under way
         self._ids = itertools.count()
         # Dropped without close(): the I/O thread aborts what is pending and stops. (The
         # callbacks hold the connection, never this object.)
@@ -1374,10 +1375,21 @@ class AsyncClient(_ClientBase):
     after the other or at once). Arguments as for ``Client``."""
 
     async def _ensure_tokenizer(self, prompt: Prompt) -> None:
-        """Fetch the tokenizer without blocking the event loop (``tokenize`` would)."""
-        if isinstance(prompt, str) and self._tokenizer is None:
-            reply = await _aquery(self._conn, TokenizerQuery, self._timeout)
-            self._tokenizer = self._tokenizer or self._load_tokenizer(reply)
+        """Fetch the tokenizer without blocking the event loop (``tokenize`` would); calls
+        that come while it is on its way wait for that one fetch (the file can be megabytes)."""
+        if not isinstance(prompt, str) or self._tokenizer is not None:
+            return
+        fetch = self._tokenizer_fetch
+        if fetch is None or fetch.get_loop() is not asyncio.get_running_loop():
+            fetch = self._tokenizer_fetch = asyncio.ensure_future(
+                _aquery(self._conn, TokenizerQuery, self._timeout)
+            )
+        try:
+            reply = await asyncio.shield(fetch)
+        finally:
+            if fetch.done() and self._tokenizer_fetch is fetch:
+                self._tokenizer_fetch = None  # a failed fetch is tried again by the next call
+        self._tokenizer = self._tokenizer or self._load_tokenizer(reply)
 
     async def _arequest(
         self,

@@ -34,6 +34,12 @@ class Sent(enum.Enum):
     GONE = "gone"  # no such client connected
 
 
+# Replies (errors, stats, the tokenizer file) queued at most for one client on the request
+# edge: a client that asks and never reads made the scheduler's memory grow until it was
+# killed. A reading client's I/O thread takes them as they come.
+REPLY_HWM = 64
+
+
 def bind_router(
     ctx: zmq.Context,
     address: str,

@@ -13,7 +13,7 @@ final deltas (with what it had not received) wait in a small backlog until it re
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +39,9 @@ from mpengine.protocol import (
 )
 from mpengine.runtime.edges import Edge, Sent
 from mpengine.scheduler import RequestRejected, Scheduler
+
+TOKENIZER_REPLIES = 4  # tokenizer files sent to one client at most
+TOKENIZER_CLIENTS = 4096  # clients whose tokenizer replies are counted (the latest ones)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +70,9 @@ class FrontDoor:
         self.stage_times = stage_times  # each stage's step breakdown, for stats replies
         self.decoder = client_request_decoder()
         self._tokenizer_file: bytes | None = None
+        # Tokenizer replies per client (the most recent clients): one is all a client needs,
+        # and each can be megabytes queued for a client that does not read.
+        self._tokenizer_sent: OrderedDict[bytes, int] = OrderedDict()
 
     def serve(self, timeout_s: float) -> int:
         """Handle every waiting client frame (waiting up to ``timeout_s`` for one)."""
@@ -111,6 +117,13 @@ class FrontDoor:
                 stats = EngineStats(query_id=msg.query_id, **self.scheduler.stats(), stages=stages)
                 self._reply(client_id, stats)
             case TokenizerQuery():
+                sent = self._tokenizer_sent.pop(client_id, 0)
+                self._tokenizer_sent[client_id] = sent + 1
+                if len(self._tokenizer_sent) > TOKENIZER_CLIENTS:
+                    self._tokenizer_sent.popitem(last=False)
+                if sent >= TOKENIZER_REPLIES:  # a client fetches it once: not answered
+                    logger.debug("%r asked for the tokenizer %d times", client_id, sent + 1)
+                    return
                 self._reply(client_id, TokenizerFile(msg.query_id, self._tokenizer()))
 
     def _reply(self, client_id: bytes, msg: msgspec.Struct) -> None:

@@ -38,7 +38,7 @@ from mpengine.protocol import (
     plan_decoder,
     result_decoder,
 )
-from mpengine.runtime.edges import Edge
+from mpengine.runtime.edges import REPLY_HWM, Edge
 from mpengine.runtime.front import FrontDoor, OutputDoor
 from mpengine.runtime.stage import Control, StopFlag
 from mpengine.runtime.timing import EXECUTOR, OUTPUT, SCHEDULER, Clock, Trace
@@ -93,7 +93,9 @@ def engine_info(config: EngineConfig, model: ModelInfo, wiring: Wiring) -> Engin
 
 
 def request_edge(config: EngineConfig, wiring: Wiring) -> Edge:
-    return Edge(wiring.request_address, config.max_request_bytes, auth_token=config.auth_token)
+    return Edge(
+        wiring.request_address, config.max_request_bytes, REPLY_HWM, auth_token=config.auth_token
+    )
 
 
 def output_edge(config: EngineConfig, wiring: Wiring) -> Edge:

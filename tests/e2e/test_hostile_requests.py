@@ -299,3 +299,59 @@ def test_a_client_that_stops_reading_is_cut_off_alone(start_engine, reference) -
             assert stats.finished >= 1 + len(outs)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_replies_a_client_does_not_read_are_bounded(engine, client) -> None:
+    """A client that asked and never read grew the scheduler's memory without bound (each
+    tokenizer reply a copy of the file). A client gets the tokenizer a few times at most,
+    and at most REPLY_HWM replies queue for it; the engine serves others meanwhile."""
+    from mpengine.protocol import StatsQuery, TokenizerQuery
+    from mpengine.runtime.edges import REPLY_HWM
+    from mpengine.runtime.front import TOKENIZER_REPLIES
+
+    ctx = zmq.Context()
+    try:
+        raw = raw_socket(ctx, engine.address, b"greedy-asker")
+        for query_id in range(TOKENIZER_REPLIES + 3):
+            raw.send(encoder.encode(TokenizerQuery(query_id)))
+        raw.send(encoder.encode(StatsQuery(999)))
+        kinds = []
+        while not kinds or kinds[-1] != "EngineStats":  # replies come in order
+            assert raw.poll(10_000), kinds
+            kinds.append(msgspec.msgpack.decode(raw.recv())[0])
+        assert kinds == ["TokenizerFile"] * TOKENIZER_REPLIES + ["EngineStats"]
+        # Never read: the edge drops what passes its bound, and others are served.
+        for query_id in range(4 * REPLY_HWM):
+            raw.send(encoder.encode(StatsQuery(query_id)))
+        assert client.generate(PROMPT, GREEDY).token_ids
+        assert client.stats().num_running == 0
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_concurrent_text_requests_fetch_the_tokenizer_once(engine, monkeypatch) -> None:
+    """An AsyncClient's first text requests, made at once, each fetched the whole file."""
+    import asyncio
+
+    import mpengine.client as client_module
+    from mpengine.protocol import TokenizerQuery
+
+    fetches = []
+    query = client_module._aquery
+
+    async def counting(conn, make, timeout):
+        fetches.append(make)
+        return await query(conn, make, timeout)
+
+    monkeypatch.setattr(client_module, "_aquery", counting)
+
+    async def main() -> list:
+        async with engine.async_client() as aclient:
+            params = SamplingParams(max_tokens=2, temperature=0.0)
+            return await asyncio.gather(
+                *(aclient.generate(f"{PROMPT} {i}", params) for i in range(8))
+            )
+
+    outs = asyncio.run(main())
+    assert len(outs) == 8 and all(o.token_ids for o in outs)
+    assert fetches.count(TokenizerQuery) == 1
