@@ -167,8 +167,15 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
     return app
 
 
+# Besides /v1/...: the other routes that make the server work for the client (health,
+# version and metrics stay open, for probes and scrapers).
+GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize"})
+
+
 class ApiKey:
-    """``Authorization: Bearer KEY`` on every ``/v1`` path, compared in constant time, and
+    """``Authorization: Bearer KEY`` on every ``/v1`` path, ``/tokenize`` and
+    ``/detokenize`` (vLLM leaves those two open: a large chat to render there is work for
+    anyone), compared in constant time, and
     checked before anything else of the request (a body that is too large or not JSON is
     a 401 too, as in vLLM: nothing is told to a client without the key)."""
 
@@ -178,7 +185,7 @@ class ApiKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+        if scope["type"] == "http" and (path.startswith("/v1/") or path in GUARDED_PATHS):
             authorization = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, key = authorization.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(key, self.expected):

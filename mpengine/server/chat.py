@@ -16,7 +16,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from mpengine.client import RequestOutput
+from mpengine.client import RequestOutput, off_the_loop
 from mpengine.server.errors import bad_request, invalid_value
 from mpengine.server.generation import Generation, PromptResult, until_disconnected
 from mpengine.server.logprobs import chat_logprobs, prompt_logprob_entries
@@ -41,14 +41,32 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[i
     extra = dict(body.chat_template_kwargs or {})
     # As vLLM, chat_template_kwargs may say add_generation_prompt too, and win.
     add_generation_prompt = bool(extra.pop("add_generation_prompt", body.add_generation_prompt))
-    text = state.text.render_chat(
-        state.text.message_dicts(body.messages),
-        add_generation_prompt and not body.continue_final_message,
-        body.continue_final_message,
-        extra,
+    messages = state.text.message_dicts(body.messages)
+    # A long conversation renders in a worker thread, as long texts are tokenized: the
+    # event loop goes on serving the other requests' streams (and /health) meanwhile.
+    text = await off_the_loop(
+        _texts(messages),
+        lambda: state.text.render_chat(
+            messages,
+            add_generation_prompt and not body.continue_final_message,
+            body.continue_final_message,
+            extra,
+        ),
     )
     (ids,) = await state.text.encode([text], add_special_tokens=body.add_special_tokens)
     return ids
+
+
+def _texts(messages: list[dict]) -> list[str]:
+    """The messages' text, as one string or OpenAI's parts."""
+    texts = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [p.get("text", "") for p in content if isinstance(p, dict)]
+    return texts
 
 
 async def create_chat_completion(

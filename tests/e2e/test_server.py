@@ -118,6 +118,10 @@ def test_models_keys_and_health(server: Served, api: openai.OpenAI) -> None:
         wrong.models.list()
     status, reply = http(server, "/v1/models", key=None)
     assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+    for path in ("/tokenize", "/detokenize"):  # work for the server: the key too
+        status, reply = http(server, path, {"prompt": "x", "tokens": [1]}, key=None)
+        assert status == 401 and reply["error"]["code"] == "invalid_api_key", path
+    assert http(server, "/detokenize", {"tokens": [1]})[0] == 200
     # Nothing of the body is looked at without the key: not JSON, or too large, is a 401.
     for body in (b"{not json", b"x" * 300_000):
         request = urllib.request.Request(server.url + "/v1/completions", data=body)

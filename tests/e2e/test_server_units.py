@@ -358,6 +358,30 @@ def test_completion_prompts_take_add_special_tokens() -> None:
     assert len(with_bos) == len(without) + 1 and with_bos[1:] == without
 
 
+def test_a_long_chat_renders_in_a_worker_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conversation of megabytes rendered on the event loop: /health and every stream
+    stalled for seconds. Past the inline size it renders in a thread, to the same ids."""
+    import threading
+
+    from mpengine.client import INLINE_TOKENIZE_CHARS
+    from mpengine.server.chat import chat_prompt
+
+    text = TextTools(resolve_model("tiny"))
+    threads = []
+    render = text.render_chat
+    monkeypatch.setattr(
+        text, "render_chat", lambda *a: threads.append(threading.current_thread()) or render(*a)
+    )
+    state = SimpleNamespace(text=text)
+    long = "word " * (INLINE_TOKENIZE_CHARS // 5 + 1)
+    for content in ("short", long):
+        body = ChatCompletionRequest(messages=[{"role": "user", "content": content}])
+        ids = asyncio.run(chat_prompt(state, body))
+        (want,) = asyncio.run(text.encode([render(text.message_dicts(body.messages))], False))
+        assert ids == want
+    assert threads[0] is threading.main_thread() and threads[1] is not threading.main_thread()
+
+
 def _stats(done: int, running: int) -> EngineStats:
     fields = dict.fromkeys(EngineStats.__struct_fields__, 0)
     fields.update(query_id=0, step=done + (1 if running else 0), done=done, num_running=running)
