@@ -23,6 +23,7 @@ lets the triton backend run on a CPU, for tests).
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -36,14 +37,27 @@ def cache_dir() -> Path:
 
 
 def write_atomically(path: str | os.PathLike[str], data: bytes) -> None:
-    """A reader never sees a half-written file: write a sibling, then rename it."""
-    tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"
+    """A reader never sees a half-written file: write a sibling, then rename it. The sibling
+    is created new, under a random name (a predictable one, planted as a symlink, would
+    have the data written wherever it points)."""
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # as open() would have made it (mkstemp: 0600)
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
+
+
+def _read_umask() -> int:
+    mask = os.umask(0o022)  # read once, at import: setting it is process-wide
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
 
 
 def fault_steps() -> frozenset[int]:
@@ -56,3 +70,26 @@ def fault_seqs() -> frozenset[int]:
 
 class InjectedFault(RuntimeError):
     """Raised where a debug switch asks for a failure."""
+
+
+TOKEN_FILE_HELP = (
+    "read the auth token from this file (also: the environment's MPENGINE_AUTH_TOKEN); a "
+    "token on the command line is readable by every user in the process list"
+)
+
+
+def auth_token(token: str | None, path: str | None) -> str | None:
+    """The command line's auth token: ``--auth-token``, else the content of
+    ``--auth-token-file``, else ``MPENGINE_AUTH_TOKEN`` (else None). ValueError says what
+    is wrong with them."""
+    if token is not None and path is not None:
+        raise ValueError("give --auth-token or --auth-token-file, not both")
+    if path is not None:
+        try:
+            with open(path) as token_file:
+                token = token_file.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read --auth-token-file: {exc}") from None
+        if not token:
+            raise ValueError(f"--auth-token-file {path} holds no token")
+    return token if token is not None else os.environ.get("MPENGINE_AUTH_TOKEN") or None

@@ -310,3 +310,20 @@ def test_address_in_use_is_said_plainly() -> None:
     message = failure_message(zmq.ZMQError(errno.EADDRINUSE))
     assert message.startswith("address in use")
     assert failure_message(ValueError("x")) == "ValueError: x"
+
+
+def test_atomic_writes_do_not_follow_planted_links(tmp_path) -> None:
+    """The sibling written first had a predictable name (FILE.PID.tmp): a symlink planted
+    there (a trace path in a shared folder) had the data overwrite whatever it pointed at."""
+    from mpengine.envs import _UMASK, write_atomically
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    target = tmp_path / "trace.json"
+    os.symlink(victim, f"{target}.{os.getpid()}.tmp")
+    write_atomically(target, b"{}")
+    assert target.read_bytes() == b"{}" and victim.read_bytes() == b"keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["victim", "trace.json", f"trace.json.{os.getpid()}.tmp"]
+    )
+    assert (target.stat().st_mode & 0o777) == 0o666 & ~_UMASK
