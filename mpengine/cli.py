@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import msgspec
 
 from mpengine.config import HELP, EngineConfig
+from mpengine.envs import TOKEN_FILE_HELP, auth_token
 from mpengine.errors import (
     EngineDeadError,
     EngineStartError,
@@ -68,6 +69,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(
             flag, dest=name, type=kind, choices=choices, default=_NONE, help=help_text
         )
+    group.add_argument("--auth-token-file", default=None, help=TOKEN_FILE_HELP)
+
+
+def auth_token_from_args(args: argparse.Namespace) -> str | None:
+    token = getattr(args, "auth_token", None)
+    try:
+        return auth_token(None if token is _NONE else token, getattr(args, "auth_token_file", None))
+    except ValueError as exc:
+        raise SystemExit(f"mpengine: {exc}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -76,6 +86,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         for name in EngineConfig.__struct_fields__
         if getattr(args, name, _NONE) is not _NONE
     }
+    if (token := auth_token_from_args(args)) is not None:
+        values["auth_token"] = token
     try:
         return EngineConfig.from_kwargs(**values)
     except (msgspec.ValidationError, ValueError) as exc:
@@ -255,7 +267,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from mpengine.runtime.timing import breakdown, counters
 
     check_address(args.address)
-    with Client(args.address, timeout=args.timeout, auth_token=args.auth_token) as client:
+    token = auth_token_from_args(args)
+    with Client(args.address, timeout=args.timeout, auth_token=token) as client:
         stats = client.stats()
     fields = {name: getattr(stats, name) for name in stats.__struct_fields__}
     # Each stage's totals as named counters, then what they mean per step.
@@ -328,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("address", help="the engine's request address (ipc://... or tcp://...)")
     stats.add_argument("--timeout", type=positive_float, default=10.0)
     stats.add_argument("--auth-token", default=None, help="the engine's auth token, if any")
+    stats.add_argument("--auth-token-file", default=None, help=TOKEN_FILE_HELP)
     stats.set_defaults(func=cmd_stats)
     return parser
 

@@ -285,6 +285,12 @@ class Engine:
         swept = sweep_stale() + sweep_stale_runtime_dirs()
         if swept:
             logger.info("removed %d stale shm objects and dirs of dead engines", len(swept))
+        if config.address and config.address.startswith("tcp://") and not config.auth_token:
+            logger.warning(
+                "%s takes clients without an auth token: every user of this host (and every "
+                "host that reaches the port) can use the engine; give it --auth-token-file",
+                config.address,
+            )
         self.runtime_dir = tempfile.mkdtemp(
             prefix=f"mpengine-{config.engine_id}-{os.getpid()}-{pid_namespace()}-"
         )

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpengine.envs import write_atomically
+from mpengine.envs import TOKEN_FILE_HELP, auth_token, write_atomically
 from mpengine.runtime.stage import STACKS_SIGNAL
 
 ENGINE_FILE = "engine.json"
@@ -341,6 +341,7 @@ def add_top_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--once", action="store_true", help="print one screen and exit")
     parser.add_argument("--auth-token", default=None, help="the engine's auth token, if any")
+    parser.add_argument("--auth-token-file", default=None, help=TOKEN_FILE_HELP)
     parser.add_argument(
         "--timeout", type=positive_float, default=10.0, help="seconds to wait for the engine"
     )
@@ -384,7 +385,11 @@ def cmd_top(args: argparse.Namespace) -> int:
     from mpengine.client import Client
 
     check_address(args.address)
-    with Client(args.address, timeout=args.timeout, auth_token=args.auth_token) as client:
+    try:
+        token = auth_token(args.auth_token, args.auth_token_file)
+    except ValueError as exc:
+        raise SystemExit(f"mpengine: {exc}") from None
+    with Client(args.address, timeout=args.timeout, auth_token=token) as client:
         title = f"mpengine top  {client.info.model}  ({client.info.runtime}, {args.address})"
         before = take_sample(client)
         try:
