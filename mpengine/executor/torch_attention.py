@@ -365,7 +365,8 @@ def _decode(
         kv = _gather(cache, plan.blocks, workspace)
         keys, values = kv.view(2, num_kv_heads, n, -1, head_dim)
         scale = head_dim**-0.5 if scaling is None else scaling
-        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale).add_(plan.mask)
+        # Scaled first: in float16, q.k of real models can pass 65504 before the scale.
+        scores = torch.matmul(q * scale, keys.transpose(-1, -2)).add_(plan.mask)
         out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [kv, D, group, dim]
     return out.transpose(0, 1).reshape(n, queries.shape[1], -1)
 
@@ -387,7 +388,7 @@ def _decode_chunked(
     kv = _gather(cache, plan.blocks, workspace)
     keys, values = kv.view(2, num_kv_heads, len(seq_of_chunk), -1, head_dim)
     q_chunks = q.index_select(1, seq_of_chunk)  # [kv, K, group, dim]
-    scores = torch.matmul(q_chunks, keys.transpose(-1, -2)).mul_(scale)  # [kv, K, group, C*bs]
+    scores = torch.matmul(q_chunks * scale, keys.transpose(-1, -2))  # [kv, K, group, C*bs]
     scores.masked_fill_(~plan.mask, float("-inf"))
     chunk_max = scores.amax(dim=-1)  # [kv, K, group]; every chunk holds >= 1 key
     index = seq_of_chunk[None, :, None].expand_as(chunk_max)

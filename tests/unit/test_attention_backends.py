@@ -172,6 +172,31 @@ def test_torch_backend_matches_reference(
     )
 
 
+@pytest.mark.parametrize("decodes", ["padded", "chunks of 8"])
+def test_float16_decodes_scale_before_they_overflow(decodes: str, monkeypatch) -> None:
+    """q.k can pass float16's 65504 before the scale (here its spread is ~1e5 before, ~1.6e3
+    after): the decodes multiplied first and gave inf and NaN; prefill (SDPA) did not."""
+    ratio = float("inf") if decodes == "padded" else 0.0
+    monkeypatch.setattr(torch_attention, "CHUNKED_PADDING_RATIO", ratio)
+    batch = make_batch([20, 7], [1, 1], 1, 2, 64, 8, seed=5)
+    batch.query.mul_(80.0)
+    batch.key.mul_(160.0)
+    batch.cache[0].mul_(160.0)
+    batch.scale = 1 / 64
+    half = Batch(
+        batch.query.half(),
+        batch.key.half(),
+        batch.value.half(),
+        batch.cache.half(),
+        batch.layout,
+        batch.slot_mapping,
+        batch.scale,
+    )
+    out = run_torch(half, workspace=None)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.double(), reference(batch), atol=0.05, rtol=0.05)
+
+
 @pytest.fixture(scope="module")
 def kernels() -> native_attention.Kernels:
     lib = native_attention.kernels()
