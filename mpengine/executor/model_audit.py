@@ -188,8 +188,6 @@ def _record(model: torch.nn.Module, causal_lm: bool, device: torch.device) -> li
     try:
         with torch.no_grad():
             model(**inputs)
-    except UnsupportedModel:
-        raise
     except Exception as exc:  # the model's code cannot run this way at all
         raise UnsupportedModel(f"its test forward failed: {type(exc).__name__}: {exc}") from None
     finally:

@@ -173,11 +173,10 @@ GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize"})
 
 
 class ApiKey:
-    """``Authorization: Bearer KEY`` on every ``/v1`` path, ``/tokenize`` and
-    ``/detokenize`` (vLLM leaves those two open: a large chat to render there is work for
-    anyone), compared in constant time, and
-    checked before anything else of the request (a body that is too large or not JSON is
-    a 401 too, as in vLLM: nothing is told to a client without the key)."""
+    """``Authorization: Bearer KEY`` on every ``/v1`` path, ``/tokenize`` and ``/detokenize``
+    (vLLM leaves those two open, but a large chat to render there is work for anyone),
+    compared in constant time and checked before anything else of the request: a body that
+    is too large or not JSON is a 401 too, as in vLLM."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
