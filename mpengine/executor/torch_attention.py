@@ -176,8 +176,8 @@ def _plan_decodes(
             num_seqs=len(members),
             seq_of_chunk=_to(seq_of_chunk, device),
         )
-    # Entries past a shorter context may be unset (-1): any block will do, the mask hides it.
-    blocks = np.maximum(table, 0).reshape(-1)
+    # Entries past a shorter context may be unset (-1): the mask hides what they read.
+    blocks = _own_blocks(table).reshape(-1)
     keys = np.arange(width * bs)[None, :] < contexts[:, None]
     bias = np.where(keys, np.float32(0), np.float32(-np.inf))
     return DecodePlan(
@@ -187,6 +187,14 @@ def _plan_decodes(
         num_seqs=len(members),
         seq_of_chunk=None,
     )
+
+
+def _own_blocks(table: np.ndarray) -> np.ndarray:
+    """``table`` with its unset entries (-1) pointing at the row's first block. Padding reads
+    must stay inside the sequence: masked scores do not keep NaN out (-inf + NaN and
+    0 x NaN are NaN), so a block of another sequence's (block 0 for every unset entry) let
+    that sequence's non-finite keys or values make this one's output NaN."""
+    return np.where(table < 0, table[:, :1], table)
 
 
 def _plan_native_decodes(
@@ -213,8 +221,8 @@ def _chunks(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each sequence's blocks in chunks of ``C`` (the largest power of two up to
     :data:`MAX_CHUNK_BLOCKS` that pads the blocks read by at most a quarter): block ids
-    ``[K * C]`` (padding: block 0), key mask ``[K, C * block_size]``, sequence of each
-    chunk ``[K]``."""
+    ``[K * C]`` (padding: the sequence's first block), key mask ``[K, C * block_size]``,
+    sequence of each chunk ``[K]``."""
     chunk = MAX_CHUNK_BLOCKS
     while chunk > 1 and (-(-num_blocks // chunk) * chunk).sum() > 1.25 * num_blocks.sum():
         chunk //= 2
@@ -225,7 +233,8 @@ def _chunks(
     block_index = index[:, None] * chunk + np.arange(chunk)[None, :]  # [K, C] in the row
     owned = block_index < num_blocks[seq_of_chunk, None]
     column = np.minimum(block_index, table.shape[1] - 1)
-    blocks = np.where(owned, np.maximum(table[seq_of_chunk[:, None], column], 0), 0)
+    blocks = np.where(owned, table[seq_of_chunk[:, None], column], -1)
+    blocks = np.where(blocks < 0, table[seq_of_chunk, :1], blocks)  # (see _own_blocks)
     key_pos = block_index[:, :, None] * block_size + np.arange(block_size)
     mask = key_pos.reshape(len(seq_of_chunk), -1) < contexts[seq_of_chunk, None]
     return blocks.astype(np.int64).reshape(-1), mask, seq_of_chunk
@@ -240,7 +249,7 @@ def _plan_prefill(
     contexts = starts + n
     num_queries = int(n.max())
     width = -(-int(contexts.max()) // bs)
-    table = np.maximum(layout.block_table[members, :width], 0)
+    table = _own_blocks(layout.block_table[members, :width])
     keys = np.arange(width * bs)
     query = np.arange(num_queries)
     # Query r of a chunk sits at position start + r and sees keys 0 ..= start + r.

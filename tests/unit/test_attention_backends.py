@@ -197,6 +197,35 @@ def test_float16_decodes_scale_before_they_overflow(decodes: str, monkeypatch) -
     torch.testing.assert_close(out.double(), reference(batch), atol=0.05, rtol=0.05)
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("decodes", ["padded", "chunks of 8"])
+@pytest.mark.parametrize("case", range(len(RAGGED)))
+def test_one_sequence_non_finite_keys_stay_its_own(
+    case: int, decodes: str, backend: str, monkeypatch
+) -> None:
+    """Unset table entries were read as block 0, another sequence's; masked scores do not
+    keep NaN out (-inf + NaN, 0 x NaN), so the NaN key that block's owner wrote made other
+    sequences' outputs NaN. Padding now reads a sequence's own first block."""
+    ratio = float("inf") if decodes == "padded" else 0.0
+    monkeypatch.setattr(torch_attention, "CHUNKED_PADDING_RATIO", ratio)
+    starts, num_tokens = RAGGED[case]
+    batch = make_batch(starts, num_tokens, 2, 2, 64, 16, seed=case)
+    owner = next((i for i, row in enumerate(batch.layout.block_table) if 0 in row), None)
+    if owner is None or len(num_tokens) == 1:
+        pytest.skip("no other sequence beside block 0's owner in this layout")
+    first = np.cumsum(num_tokens) - np.asarray(num_tokens)
+    batch.key[0, :, first[owner]] = float("nan")  # block 0's owner writes a NaN key
+    kernels = native_attention.kernels() if backend == "native" else None
+    if backend == "native" and kernels is None:
+        pytest.skip("no C compiler: no native kernels")
+    want, got = reference(batch), run_torch(batch, native=kernels).double()
+    others = [i for i in range(len(num_tokens)) if i != owner]
+    assert got[first[owner]].isnan().all()
+    for i in others:
+        rows = slice(int(first[i]), int(first[i] + num_tokens[i]))
+        torch.testing.assert_close(got[rows], want[rows], atol=TOLERANCE, rtol=TOLERANCE)
+
+
 @pytest.fixture(scope="module")
 def kernels() -> native_attention.Kernels:
     lib = native_attention.kernels()
