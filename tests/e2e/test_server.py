@@ -295,7 +295,7 @@ def test_best_of_returns_the_best_n_and_counts_every_sample(api: openai.OpenAI) 
 
 
 def test_beam_search_equals_the_client_library(api: openai.OpenAI, ipc: mpengine.Client) -> None:
-    reply = api.completions.create(
+    beams = dict(
         model="tiny",
         prompt=[5, 6, 7, 8],
         max_tokens=6,
@@ -303,6 +303,7 @@ def test_beam_search_equals_the_client_library(api: openai.OpenAI, ipc: mpengine
         best_of=4,  # vLLM's beam width
         extra_body={"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True},
     )
+    reply = api.completions.create(**beams)
     params = SamplingParams(
         max_tokens=6, n=2, use_beam_search=True, beam_width=4, length_penalty=0.5
     )
@@ -318,16 +319,7 @@ def test_beam_search_equals_the_client_library(api: openai.OpenAI, ipc: mpengine
         )
         assert all(c.model_extra["token_ids"] for c in reply.choices), penalty
     # Streamed (as vLLM allows): each beam comes whole once the search ends.
-    extra = {"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True}
-    stream = api.completions.create(
-        model="tiny",
-        prompt=[5, 6, 7, 8],
-        max_tokens=6,
-        n=2,
-        best_of=4,
-        stream=True,
-        extra_body=extra,
-    )
+    stream = api.completions.create(stream=True, **beams)
     streamed: dict[int, list[int]] = {}
     for chunk in stream:
         for choice in chunk.choices:
@@ -337,15 +329,15 @@ def test_beam_search_equals_the_client_library(api: openai.OpenAI, ipc: mpengine
 
 def test_logprobs_and_echo(api: openai.OpenAI, server: Served) -> None:
     ids = tokenize(server, prompt="Once upon")
-    reply = api.completions.create(
+    common = dict(
         model="tiny",
         prompt="Once upon",
         max_tokens=4,
         temperature=0,
         logprobs=2,
-        echo=True,
         extra_body={"ignore_eos": True},
     )
+    reply = api.completions.create(echo=True, **common)
     choice = reply.choices[0]
     lp = choice.logprobs
     assert choice.text.startswith("Once upon")
@@ -371,16 +363,7 @@ def test_logprobs_and_echo(api: openai.OpenAI, server: Served) -> None:
     # Streamed, with and without echo: the chunks' logprobs joined are the whole reply's
     # (a streamed completion with logprobs once closed without a chunk).
     for echo in (True, False):
-        stream = api.completions.create(
-            model="tiny",
-            prompt="Once upon",
-            max_tokens=4,
-            temperature=0,
-            logprobs=2,
-            echo=echo,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
+        stream = api.completions.create(echo=echo, stream=True, **common)
         tokens, values, offsets = [], [], []
         for chunk in stream:
             tokens += chunk.choices[0].logprobs.tokens

@@ -8,10 +8,6 @@ accepted ones match it token for token.
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -20,7 +16,7 @@ from mpengine.config import EngineConfig
 from mpengine.executor.attention import ATTENTION_NAME, register_attention
 from mpengine.executor.model_audit import UnsupportedModel, audit_attention
 from mpengine.executor.model_loader import load_model
-from mpengine.testing.tiny import resolve_model
+from tests.e2e.test_executor import build_model
 
 BASE = dict(
     hidden_size=64,
@@ -128,17 +124,6 @@ def test_the_audit_leaves_the_paged_attention_in_place() -> None:
     assert AttentionInterface._global_mapping[ATTENTION_NAME] is paged_attention_forward
 
 
-def _saved(tmp_path: Path, model_type: str, **overrides: object) -> str:
-    """A model directory (with the built-in tiny model's tokenizer)."""
-    config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
-    model = AutoModelForCausalLM.from_config(config)
-    directory = tmp_path / model_type
-    model.save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(resolve_model("tiny"), name), directory / name)
-    return str(directory)
-
-
 @pytest.mark.parametrize(
     ("model_type", "overrides", "message"),
     [
@@ -150,6 +135,6 @@ def _saved(tmp_path: Path, model_type: str, **overrides: object) -> str:
 )
 def test_loading_refuses_with_the_reason(tmp_path, model_type, overrides, message) -> None:
     """Refused by load_model, in one line (a bare KeyError: 'mpengine_paged' before)."""
-    path = _saved(tmp_path, model_type, **overrides)
+    path = build_model(tmp_path / model_type, model_type, **overrides)
     with pytest.raises(NotImplementedError, match=message):
         load_model(EngineConfig(model=path, max_model_len=128))
