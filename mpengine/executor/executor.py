@@ -32,6 +32,7 @@ from mpengine.executor.kv_cache import (
     Swapper,
     allocate_kv_cache,
     allocate_swap_space,
+    clear_blocks,
     num_blocks_for,
 )
 from mpengine.executor.model_loader import LoadedModel, load_model
@@ -105,7 +106,8 @@ class Executor:
             self.num_blocks = profiled_num_blocks(config, spec, self.loaded, self.backend, memory)
         else:
             self.num_blocks = num_blocks_for(config, spec, self.device)
-        self.kv_caches = allocate_kv_cache(spec, self.num_blocks, self.device)
+        self.kv_storage = allocate_kv_cache(spec, self.num_blocks, self.device)
+        self.kv_caches = list(self.kv_storage.unbind(0))
         self.swapper: Swapper | None = None
         num_host_blocks = 0
         if config.preemption_mode == "swap" and self.num_blocks:
@@ -277,8 +279,10 @@ class Executor:
         if total and plan.step in self.fault_steps:
             raise InjectedFault(f"injected failure of step {plan.step} (MPENGINE_FAULT_STEPS)")
 
-        # 4. forward
+        # 4. forward, into blocks zeroed where it writes their first row
         self.marks.append(("forward", time.perf_counter()))
+        if inputs is not None:
+            clear_blocks(self.kv_storage, inputs.new_blocks)
         pools = bool((pool_kinds >= 0).any())
         logits, hidden = self._forward(inputs, pools) if inputs is not None else (None, None)
 

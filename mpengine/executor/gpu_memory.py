@@ -148,7 +148,7 @@ def profile_forward(
     lengths = np.full(num_seqs, seq_len, np.int64)
     lengths[-1] = min(seq_len, num_tokens - seq_len * (num_seqs - 1))
     blocks = -(-lengths // bs)
-    caches = allocate_kv_cache(spec, int(blocks.sum()), device)
+    caches = list(allocate_kv_cache(spec, int(blocks.sum()), device).unbind(0))
     width = int(blocks.max())
     first_block = np.cumsum(blocks) - blocks
     table = (first_block[:, None] + np.arange(width)[None, :]).astype(np.int32)

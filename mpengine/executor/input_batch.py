@@ -36,6 +36,7 @@ class StepInputs:
     position_ids: torch.Tensor  # [T] int64
     logits_rows: torch.Tensor  # [R] int64, batch rows whose logits are kept
     sample_slots: torch.Tensor  # [S] int64, slots of the sampling rows (logits rows 0 .. S-1)
+    new_blocks: torch.Tensor  # [B] int64, the blocks whose first row this step writes
     metadata: AttentionMetadata
 
 
@@ -126,7 +127,7 @@ class InputBatch:
         )
 
         # One buffer, one copy: [ids | positions | slot mapping | token slots | query starts |
-        # context lengths | slots | logits rows | sampling slots]
+        # context lengths | slots | logits rows | sampling slots | new blocks]
         parts = [
             token_ids,
             positions,
@@ -137,10 +138,11 @@ class InputBatch:
             slots,
             logits_rows,
             sample_slots,
+            blocks[positions % bs == 0],
         ]
         lengths = [len(p) for p in parts]
         device_buffer = self._staging["step"].upload(parts, self.device)
-        (ids, pos, slot_mapping, tok_slots, cu_seqlens_q, seq_lens, step_slots, rows, samp) = (
+        (ids, pos, slot_mapping, tok_slots, cu_seqlens_q, seq_lens, step_slots, rows, samp, new) = (
             device_buffer.split(lengths)
         )
         if (token_ids < 0).any():
@@ -159,7 +161,7 @@ class InputBatch:
             block_table,
             self.workspace,
         )
-        return StepInputs(ids, pos, rows, samp, metadata)
+        return StepInputs(ids, pos, rows, samp, new, metadata)
 
 
 class _Staging:

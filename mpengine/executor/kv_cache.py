@@ -68,13 +68,13 @@ def blocks_in(budget: int, spec: KVCacheSpec) -> int:
     return num_blocks
 
 
-def allocate_kv_cache(
-    spec: KVCacheSpec, num_blocks: int, device: torch.device
-) -> list[torch.Tensor]:
-    """Zero-filled per-layer KV tensors.
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """The zero-filled KV cache of all layers, ``[layers, 2, kv_heads, blocks, block_size,
+    head_dim]`` (``unbind(0)`` gives the per-layer tensors).
 
     Zeros, not ``empty``: attention reads whole blocks and masks the tail, and a masked
-    value still enters ``softmax(...) @ V`` as ``0 * v``, which is NaN for a NaN ``v``.
+    value still enters ``softmax(...) @ V`` as ``0 * v``, which is NaN for a NaN ``v``. For
+    the same reason a block is zeroed again when it is reused (``clear_blocks``).
     """
     shape = (spec.num_layers, 2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
     try:
@@ -88,7 +88,16 @@ def allocate_kv_cache(
             f"({num_blocks * spec.bytes_per_block} bytes) on {device}: {exc}; lower "
             "kv_cache_bytes, num_gpu_blocks_override or gpu_memory_utilization"
         ) from None
-    return list(storage.unbind(0))
+    return storage
+
+
+def clear_blocks(storage: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Zero ``blocks`` (int64, on the cache's device) in every layer. A step calls it for
+    the blocks whose first row it writes: a block back from the free pool still holds its
+    last owner's rows, which the new owner's attention reads (masked) until it fills them,
+    and one non-finite value among them made the new owner's output NaN."""
+    if len(blocks):
+        storage.index_fill_(3, blocks, 0)
 
 
 HUGE_PAGE = 2 * MiB

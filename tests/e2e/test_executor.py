@@ -251,6 +251,20 @@ def test_greedy_matches_hf(model: str, decodes: str, monkeypatch) -> None:
     check_greedy(make_executor(model, attention_backend="torch"))
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_reused_blocks_do_not_carry_their_last_owners_rows(backend: str) -> None:
+    """A block back from the free pool held its last owner's rows until the new owner
+    filled them, and the torch backend's gathers read them (masked): one non-finite value
+    there made the new owner's output NaN. A block is zeroed when its first row is
+    written: a cache full of NaN, as if every block had served such an owner, serves HF's
+    tokens."""
+    if backend == "native" and native_attention.kernels() is None:
+        pytest.skip("no C compiler: the native kernels cannot be built here")
+    executor = make_executor("tiny", attention_backend=backend)
+    executor.kv_storage.fill_(float("nan"))
+    check_greedy(executor)
+
+
 def test_compiled_decode_steps_match_hf() -> None:
     """compile_decode: pure-decode steps through torch.compile (the native kernels as graph
     operators) give HF's greedy tokens, with no compilation after start-up; prefill and

@@ -11,7 +11,7 @@ from mpengine.executor.kv_cache import KVCacheSpec, Swapper, allocate_kv_cache, 
 
 def test_blocks_round_trip_through_the_swap_space():
     spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=4, block_size=2, dtype=torch.float32)
-    caches = allocate_kv_cache(spec, 6, torch.device("cpu"))
+    caches = list(allocate_kv_cache(spec, 6, torch.device("cpu")).unbind(0))
     for cache in caches:
         cache.copy_(torch.randn_like(cache))
     before = [cache.clone() for cache in caches]
