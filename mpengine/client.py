@@ -975,11 +975,14 @@ class _BatchRequest(_Request):
 
 
 def _wait_batch(
-    events: queue.SimpleQueue, waited: Sequence[_BatchRequest], deadline: _Deadline
+    events: queue.SimpleQueue,
+    waited: Sequence[_BatchRequest],
+    deadline: _Deadline,
+    finished: Callable[[_BatchRequest], object] | None = None,
 ) -> None:
     """Take a batch's deltas, in arrival order, until every request of ``waited`` has
-    finished: the first refused or failed one raises at once, whichever it is, not once
-    those before it are done."""
+    finished (each one passed to ``finished`` then): the first refused or failed one
+    raises at once, whichever it is, not once those before it are done."""
     left = {id(r) for r in waited if not r.finished}
     while left:
         try:
@@ -989,10 +992,15 @@ def _wait_batch(
         request._take(item)
         if request.finished:
             left.discard(id(request))
+            if finished is not None:
+                finished(request)
 
 
 async def _await_batch(
-    events: asyncio.Queue, waited: Sequence[_BatchRequest], deadline: _Deadline
+    events: asyncio.Queue,
+    waited: Sequence[_BatchRequest],
+    deadline: _Deadline,
+    finished: Callable[[_BatchRequest], object] | None = None,
 ) -> None:
     """``_wait_batch`` on an event loop."""
     left = {id(r) for r in waited if not r.finished}
@@ -1002,6 +1010,25 @@ async def _await_batch(
         request._take(item)
         if request.finished:
             left.discard(id(request))
+            if finished is not None:
+                finished(request)
+
+
+def _embedding_callback(
+    requests: list[_BatchRequest], on_output: Callable[[int, EmbeddingOutput], object] | None
+) -> Callable[[_BatchRequest], object] | None:
+    """``finished`` for ``_wait_batch``: ``on_output(index, embedding)`` of a finished
+    request of ``requests`` (which grows as the batch is submitted)."""
+    if on_output is None:
+        return None
+    index: dict[int, int] = {}
+
+    def finished(request: _BatchRequest) -> None:
+        if len(index) < len(requests):
+            index.update((id(r), i) for i, r in enumerate(requests))
+        on_output(index[id(request)], request.assembly.embedding_output())
+
+    return finished
 
 
 class _AsyncRequest(_Request):
@@ -1283,13 +1310,15 @@ class Client(_ClientBase):
         ``timeout`` seconds (for all of them) abort the unfinished and raise ``TimeoutError``.
         ``priority``: one for all, or one per prompt (lower runs first, when the engine
         schedules by priority)."""
-        requests = self._run_many(
+        requests: list[_BatchRequest] = []
+        self._run_many(
             lambda prompt, p, rid, prio: self._request(prompt, p, rid, priority=prio),
             prompts,
             _per_prompt(params, SamplingParams, len(prompts)),
             request_ids,
             timeout,
             _priorities(priority, len(prompts)),
+            requests,
         )
         return [r.assembly.output for r in requests]
 
@@ -1316,16 +1345,22 @@ class Client(_ClientBase):
         timeout: float | None = None,
         request_ids: Sequence[str | None] | None = None,
         priority: int | Sequence[int] = 0,
+        on_output: Callable[[int, EmbeddingOutput], object] | None = None,
     ) -> list[EmbeddingOutput]:
         """Submit every input at once (so they batch); return the embeddings in order. A bad
-        input raises ``InvalidRequestError`` (the others are aborted)."""
-        requests = self._run_many(
+        input raises ``InvalidRequestError`` (the others are aborted). ``on_output(index,
+        embedding)`` is called for each input as it finishes, in finishing order (progress
+        of a long batch, or what was done when the call fails part-way)."""
+        requests: list[_BatchRequest] = []
+        self._run_many(
             self._embed_request,
             prompts,
             _per_prompt(params, PoolingParams, len(prompts)),
             request_ids,
             timeout,
             _priorities(priority, len(prompts)),
+            requests,
+            _embedding_callback(requests, on_output),
         )
         return [r.assembly.embedding_output() for r in requests]
 
@@ -1337,28 +1372,28 @@ class Client(_ClientBase):
         request_ids: Sequence[str | None] | None,
         timeout: float | None,
         priorities: list[int],
-    ) -> list[_BatchRequest]:
-        """Submit ``make(prompt, params, request id, priority)`` for every prompt, wait for
-        all of them to finish (one deadline for all); on any error or the deadline abort the
-        unfinished."""
+        requests: list[_BatchRequest],
+        finished: Callable[[_BatchRequest], object] | None = None,
+    ) -> None:
+        """Submit ``make(prompt, params, request id, priority)`` for every prompt, appending
+        to ``requests``; wait for all of them to finish (one deadline for all; each passed
+        to ``finished`` as it does); on any error or the deadline abort the unfinished."""
         ids = request_ids or [None] * len(prompts)
         _check_counts(prompts, params, ids)
         deadline = _Deadline(timeout)
-        requests: list[_BatchRequest] = []
         events: queue.SimpleQueue = queue.SimpleQueue()
         window, done = _Window(self.info), 0
         try:
             for prompt, p, rid, prio in zip(prompts, params, ids, priorities, strict=True):
                 request = make(prompt, p, rid, prio)
                 while not window.admits(request):  # wait for the oldest in flight
-                    _wait_batch(events, requests[done : done + 1], deadline)
+                    _wait_batch(events, requests[done : done + 1], deadline, finished)
                     window.pop_oldest()
                     done += 1
                 request.continues = done > 0
                 requests.append(_BatchRequest(self._conn, request, events.put))
                 window.add(request)
-            _wait_batch(events, requests[done:], deadline)
-            return requests
+            _wait_batch(events, requests[done:], deadline, finished)
         finally:
             for r in requests:
                 self._conn.forget(r.request_id)
@@ -1466,14 +1501,18 @@ class AsyncClient(_ClientBase):
         timeout: float | None = None,
         request_ids: Sequence[str | None] | None = None,
         priority: int | Sequence[int] = 0,
+        on_output: Callable[[int, EmbeddingOutput], object] | None = None,
     ) -> list[EmbeddingOutput]:
-        """Submit every input at once (so they batch); return the embeddings in order."""
+        """Submit every input at once (so they batch); return the embeddings in order.
+        ``on_output(index, embedding)`` is called for each input as it finishes, in finishing
+        order (progress of a long batch, or what was done when the call fails part-way)."""
         params = _per_prompt(params, PoolingParams, len(prompts))
         ids = request_ids or [None] * len(prompts)
         _check_counts(prompts, params, ids)
         priorities = _priorities(priority, len(prompts))
         deadline = _Deadline(timeout)
         requests: list[_BatchRequest] = []
+        finished = _embedding_callback(requests, on_output)
         events: asyncio.Queue = asyncio.Queue()
         put = _threadsafe_put(asyncio.get_running_loop(), events)
         window, done = _Window(self.info), 0
@@ -1489,13 +1528,13 @@ class AsyncClient(_ClientBase):
             )
             for request in made:
                 while not window.admits(request):  # wait for the oldest in flight
-                    await _await_batch(events, requests[done : done + 1], deadline)
+                    await _await_batch(events, requests[done : done + 1], deadline, finished)
                     window.pop_oldest()
                     done += 1
                 request.continues = done > 0
                 requests.append(_BatchRequest(self._conn, request, put))
                 window.add(request)
-            await _await_batch(events, requests[done:], deadline)
+            await _await_batch(events, requests[done:], deadline, finished)
             return [r.assembly.embedding_output() for r in requests]
         finally:
             for r in requests:

@@ -101,15 +101,23 @@ async def _embed(
     priority: int = 0,
 ) -> list[EmbeddingOutput]:
     """Every input's embedding; counted in flight (what a drain waits for) and in the
-    request metrics. A cancelled call (the HTTP client went away) aborts the requests."""
+    request metrics, each input as it finishes. A cancelled call (the HTTP client went
+    away) aborts the requests: the inputs not finished then count as aborted."""
     request_ids = [f"{request_id}-{index}" for index in range(len(prompts))]
+    finished = 0
+
+    def count(_: int, out: EmbeddingOutput) -> None:
+        nonlocal finished
+        finished += 1
+        _count(state, out)
+
     state.num_inflight += 1
     try:
-        outputs = await state.client.embed_many(
-            prompts, params, request_ids=request_ids, priority=priority
+        return await state.client.embed_many(
+            prompts, params, request_ids=request_ids, priority=priority, on_output=count
         )
-    except asyncio.CancelledError:  # abandoned: each input counts as an aborted request
-        for _ in prompts:
+    except asyncio.CancelledError:
+        for _ in range(len(prompts) - finished):
             state.metrics.success("abort")
         raise
     except Exception as exc:
@@ -119,23 +127,19 @@ async def _embed(
         raise error from None
     finally:
         state.num_inflight -= 1
-    _count(state, outputs)
-    return outputs
 
 
-def _count(state: ServerState, outputs: list[EmbeddingOutput]) -> None:
+def _count(state: ServerState, out: EmbeddingOutput) -> None:
     """The request metrics that apply to an embedding: prompt tokens, latency, queue time,
-    and one success (``stop``) per input."""
-    m = state.metrics
-    for out in outputs:
-        t = out.metrics
-        m.prompt_tokens.inc(out.num_prompt_tokens)
-        m.request_prompt_tokens.observe(out.num_prompt_tokens)
-        if t.scheduled_time:
-            m.queue.observe(max(0.0, t.scheduled_time - t.arrival_time))
-        if t.finished_time:
-            m.e2e.observe(max(0.0, t.finished_time - t.arrival_time))
-        m.success("stop")
+    and one success (``stop``)."""
+    m, t = state.metrics, out.metrics
+    m.prompt_tokens.inc(out.num_prompt_tokens)
+    m.request_prompt_tokens.observe(out.num_prompt_tokens)
+    if t.scheduled_time:
+        m.queue.observe(max(0.0, t.scheduled_time - t.arrival_time))
+    if t.finished_time:
+        m.e2e.observe(max(0.0, t.finished_time - t.arrival_time))
+    m.success("stop")
 
 
 def encode(embedding: np.ndarray, encoding_format: str) -> list[float] | str:

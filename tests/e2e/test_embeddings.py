@@ -51,8 +51,13 @@ def assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
 
 
 @pytest.fixture(scope="module")
-def bert(start_engine):
-    return start_engine(model="tiny-bert").client(timeout=TIMEOUT)
+def bert_engine(start_engine):
+    return start_engine(model="tiny-bert")
+
+
+@pytest.fixture(scope="module")
+def bert(bert_engine):
+    return bert_engine.client(timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +102,33 @@ def test_decoder_pools_across_chunks(decoder):
             assert out.prompt_token_ids == ids
             assert_close(out.embedding, reference("tiny-embed", ids, pooling))
     assert len(tokenize("tiny-embed", TEXTS[2])) > 64  # it was chunked
+
+
+def test_embed_many_reports_each_input_as_it_finishes(bert_engine, bert):
+    """``on_output(index, embedding)`` once per input (sync and asyncio clients), with the
+    embedding the call returns for that index."""
+    for run in ("sync", "async"):
+        seen: dict[int, np.ndarray] = {}
+
+        def on_output(index, out, seen=seen):
+            assert index not in seen
+            seen[index] = out.embedding
+
+        if run == "sync":
+            outs = bert.embed_many(TEXTS, timeout=TIMEOUT, on_output=on_output)
+        else:
+
+            async def embed_all(on_output=on_output):
+                client = AsyncClient(bert_engine.address, timeout=TIMEOUT)
+                try:
+                    return await client.embed_many(TEXTS, timeout=TIMEOUT, on_output=on_output)
+                finally:
+                    client.close()
+
+            outs = asyncio.run(embed_all())
+        assert sorted(seen) == list(range(len(TEXTS))), run
+        for index, out in enumerate(outs):
+            np.testing.assert_array_equal(seen[index], out.embedding)
 
 
 def test_matryoshka_dimensions_renormalise(bert):
