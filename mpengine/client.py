@@ -1054,7 +1054,8 @@ class _Window:
     (``overloaded``) once ``max_waiting_requests`` requests or ``max_waiting_tokens``
     prompt tokens wait for admission; a batch keeps at most half of each in flight (other
     clients share the queue) and submits the rest as earlier ones finish, marked
-    ``continues`` (a draining engine lets the call finish)."""
+    ``continues`` (a draining engine lets the call finish, and the engine refuses them only
+    past twice its bounds)."""
 
     def __init__(self, info: EngineInfo) -> None:
         self.max_requests = self.max_tokens = 1 << 62  # an engine that does not say

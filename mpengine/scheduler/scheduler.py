@@ -200,14 +200,18 @@ class Scheduler:
                     sampling, use_beam_search=False, beam_width=None, temperature=0.0
                 )
             max_tokens = self._check(prompt, sampling)
-        if self.num_waiting_requests >= self.max_waiting_requests:
+        # The bounds stop new work. A batch call already under way keeps at most half of
+        # each in flight (its client's window) and may go on up to twice them: several
+        # batch calls together failed part-way, their finished work thrown away.
+        slack = 2 if req.continues else 1
+        if self.num_waiting_requests >= slack * self.max_waiting_requests:
             raise RequestRejected(
                 f"overloaded: {self.num_waiting_requests} requests are waiting "
                 f"(max_waiting_requests={self.max_waiting_requests}); retry later",
                 "overloaded",
             )
         waiting_tokens = self.num_waiting_tokens + len(prompt)
-        if self.num_waiting_requests and waiting_tokens > self.max_waiting_tokens:
+        if self.num_waiting_requests and waiting_tokens > slack * self.max_waiting_tokens:
             raise RequestRejected(
                 f"overloaded: {self.num_waiting_tokens} prompt tokens are waiting "
                 f"(max_waiting_tokens={self.max_waiting_tokens}); retry later",

@@ -128,6 +128,36 @@ def test_waiting_queue_caps_answer_overloaded() -> None:
     add(lone, "long", [5] * 300)
 
 
+def test_a_batch_call_under_way_goes_on_past_the_caps_up_to_twice_them() -> None:
+    """Requests that continue a batch call (``continues``) are refused only at twice the
+    caps: several batch calls at once, each with half the queue in flight, failed
+    part-way. New requests still stop at the caps."""
+    sched = make(max_waiting_requests=3, max_waiting_tokens=1000)
+
+    def more(request_id: str, size: int = 10) -> None:
+        request = AddRequest(request_id, Array.of([5] * size), SamplingParams(), continues=True)
+        sched.add_request(request, "c")
+
+    for i in range(3):
+        add(sched, f"r{i}", [5] * 10)
+    with pytest.raises(RequestRejected, match="max_waiting_requests=3"):
+        add(sched, "new", [5] * 10)
+    for i in range(3):
+        more(f"more{i}")
+    with pytest.raises(RequestRejected, match="max_waiting_requests=3") as info:
+        more("more3")
+    assert info.value.kind == "overloaded"
+    tokens = make(max_waiting_requests=10, max_waiting_tokens=100)
+    add(tokens, "r", [5] * 90)
+    with pytest.raises(RequestRejected, match="max_waiting_tokens=100"):
+        add(tokens, "new", [5] * 20)
+    more_tokens = AddRequest("more", Array.of([5] * 100), SamplingParams(), continues=True)
+    tokens.add_request(more_tokens, "c")
+    with pytest.raises(RequestRejected, match="max_waiting_tokens=100"):
+        too_many = AddRequest("more2", Array.of([5] * 20), SamplingParams(), continues=True)
+        tokens.add_request(too_many, "c")
+
+
 def test_request_ids_are_scoped_to_their_client() -> None:
     sched = make()
     add(sched, "same", [5, 6], client="alice")
