@@ -1507,13 +1507,60 @@ class AsyncClient(_ClientBase):
         """Submit every input at once (so they batch); return the embeddings in order.
         ``on_output(index, embedding)`` is called for each input as it finishes, in finishing
         order (progress of a long batch, or what was done when the call fails part-way)."""
-        params = _per_prompt(params, PoolingParams, len(prompts))
+        requests: list[_BatchRequest] = []
+        await self._run_many(
+            self._embed_request,
+            prompts,
+            _per_prompt(params, PoolingParams, len(prompts)),
+            request_ids,
+            timeout,
+            _priorities(priority, len(prompts)),
+            requests,
+            _embedding_callback(requests, on_output),
+        )
+        return [r.assembly.embedding_output() for r in requests]
+
+    async def generate_many(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        timeout: float | None = None,
+        request_ids: Sequence[str | None] | None = None,
+        priority: int | Sequence[int] = 0,
+    ) -> list[RequestOutput]:
+        """Submit every prompt at once (so they batch); return the outputs in order. After
+        ``timeout`` seconds (for all of them) abort the unfinished and raise ``TimeoutError``.
+        ``priority``: one for all, or one per prompt (lower runs first, when the engine
+        schedules by priority)."""
+        requests: list[_BatchRequest] = []
+        await self._run_many(
+            lambda prompt, p, rid, prio: self._request(prompt, p, rid, priority=prio),
+            prompts,
+            _per_prompt(params, SamplingParams, len(prompts)),
+            request_ids,
+            timeout,
+            _priorities(priority, len(prompts)),
+            requests,
+        )
+        return [r.assembly.output for r in requests]
+
+    async def _run_many(
+        self,
+        make: Callable[[Prompt, Any, str | None, int], AddRequest],
+        prompts: Sequence[Prompt],
+        params: list,
+        request_ids: Sequence[str | None] | None,
+        timeout: float | None,
+        priorities: list[int],
+        requests: list[_BatchRequest],
+        finished: Callable[[_BatchRequest], object] | None = None,
+    ) -> None:
+        """``Client._run_many`` on an event loop (the requests are made, texts tokenized,
+        off it)."""
         ids = request_ids or [None] * len(prompts)
         _check_counts(prompts, params, ids)
-        priorities = _priorities(priority, len(prompts))
         deadline = _Deadline(timeout)
-        requests: list[_BatchRequest] = []
-        finished = _embedding_callback(requests, on_output)
         events: asyncio.Queue = asyncio.Queue()
         put = _threadsafe_put(asyncio.get_running_loop(), events)
         window, done = _Window(self.info), 0
@@ -1523,7 +1570,7 @@ class AsyncClient(_ClientBase):
             made = await off_the_loop(
                 prompts,
                 lambda: [
-                    self._embed_request(prompt, p, rid, prio)
+                    make(prompt, p, rid, prio)
                     for prompt, p, rid, prio in zip(prompts, params, ids, priorities, strict=True)
                 ],
             )
@@ -1536,7 +1583,6 @@ class AsyncClient(_ClientBase):
                 requests.append(_BatchRequest(self._conn, request, put))
                 window.add(request)
             await _await_batch(events, requests[done:], deadline, finished)
-            return [r.assembly.embedding_output() for r in requests]
         finally:
             for r in requests:
                 r.cancel()

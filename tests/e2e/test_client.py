@@ -335,6 +335,40 @@ def test_batches_larger_than_the_queue_are_fed_as_it_drains(start_engine):
         assert_idle(c)
 
 
+def test_a_batch_call_under_way_is_not_refused_by_others_filling_the_queue(start_engine):
+    """Single requests of another client keep the queue (4 requests) full while a batch
+    call feeds its windows (2 requests): the batch's later requests go in past the bound
+    (up to twice it), so the call completes; the single requests are refused as
+    ``overloaded`` meanwhile. It failed part-way before."""
+    small = start_engine(model="tiny", max_num_seqs=2, max_waiting_requests=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + i, 5, 7] for i in range(24)]
+
+    async def run() -> tuple[list, int]:
+        async with (
+            mpengine.AsyncClient(small.address) as batcher,
+            mpengine.AsyncClient(small.address) as other,
+        ):
+            batch = asyncio.create_task(batcher.generate_many(prompts, params, timeout=120))
+            deadline = time.monotonic() + 60
+            while (await other.stats()).received < 2:  # the batch's first window is in
+                assert time.monotonic() < deadline, "the batch call sent nothing"
+            refused = 0
+            while not batch.done():
+                wave = [other.generate([9, 9, 9 + i], params, timeout=60) for i in range(6)]
+                for result in await asyncio.gather(*wave, return_exceptions=True):
+                    if isinstance(result, mpengine.InvalidRequestError):
+                        assert result.kind == "overloaded", result
+                        refused += 1
+                    elif isinstance(result, BaseException):
+                        raise result
+            return await batch, refused
+
+    outs, refused = asyncio.run(run())
+    assert [len(o.token_ids) for o in outs] == [4] * len(prompts)
+    assert refused > 0  # the queue was full while the batch went on
+
+
 def test_async_embed_many_feeds_a_small_queue_and_checks_counts(start_engine):
     small = start_engine(model="tiny-bert", max_waiting_requests=4)
     texts = [f"sentence number {i} about the sea" for i in range(25)]
