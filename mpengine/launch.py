@@ -63,6 +63,8 @@ from mpengine.protocol import (
 from mpengine.runtime.diagnose import ENGINE_FILE, write_engine_file
 from mpengine.runtime.stage import ABORT_SIGNAL, DRAIN_SIGNAL, STOP_SIGNAL
 from shm import Lockstep, Ring, sweep_stale
+from shm.reaper import Leftovers, Reaper, remove_ipc_files
+from shm.segment import PREFIX as SHM_PREFIX
 from shm.segment import pid_alive, pid_namespace
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ C = TypeVar("C", Client, AsyncClient)
 
 STOP_GRACE_S = 5.0
 LOCK_NAME = "engine.lock"
+IPC_FILES = ["requests.sock", "outputs.sock", ENGINE_FILE]  # what an engine puts in its ipc dir
 DRAIN_TIMEOUT_S = 30.0
 ABORT_GRACE_S = 5.0  # after a drain's deadline: for the aborted requests' final outputs
 FLUSH_S = 0.1  # for the output stage's last sends (its sockets close with linger 0)
@@ -295,8 +298,10 @@ class Engine:
             prefix=f"mpengine-{config.engine_id}-{os.getpid()}-{pid_namespace()}-"
         )
         self.processes: dict[str, StageProcess] = {}
+        self._reaper: Reaper | None = None
         try:
             self.wiring = self._addresses()
+            self._reaper = self._start_reaper()
             if config.runtime == "processes":
                 self.wiring = self._create_segments()
                 stages = ("executor", "scheduler", "output")
@@ -328,6 +333,26 @@ class Engine:
         self._lock_fd = lock_dir(base)
         self._ipc_dir = base
         return Wiring(f"ipc://{base}/requests.sock", f"ipc://{base}/outputs.sock")
+
+    def _start_reaper(self) -> Reaper | None:
+        """A small process that removes this engine's segments, runtime directory and ipc
+        socket files if this process dies without stopping it (``shm/reaper.py``)."""
+        leftovers = Leftovers(
+            owner_pid=os.getpid(),
+            shm_prefix=f"{SHM_PREFIX}{self.config.engine_id}.{os.getpid()}-{pid_namespace()}.",
+            title="mpengine: reaper",
+            trees=[self.runtime_dir],
+            locked_dir=self._ipc_dir if self._ipc_dir != self.runtime_dir else None,
+            lock_name=LOCK_NAME,
+            files=IPC_FILES,
+        )
+        try:
+            return Reaper.start(leftovers, env=_stage_env())
+        except OSError as exc:
+            logger.warning(
+                "no reaper (leftovers of a killed launcher wait for the next launch): %s", exc
+            )
+            return None
 
     def _create_segments(self) -> Wiring:
         engine_id, size = self.config.engine_id, self.config.ring_bytes
@@ -526,11 +551,12 @@ class Engine:
         if self._lock_fd is not None and self._ipc_dir is not None:
             # The stages are gone and the directory is still ours: remove the socket files
             # a killed stage left, then let the next engine have it.
-            for name in ("requests.sock", "outputs.sock", ENGINE_FILE):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self._ipc_dir, name))
+            remove_ipc_files(self._ipc_dir, IPC_FILES)
             os.close(self._lock_fd)
             self._lock_fd = None
+        if self._reaper is not None:
+            self._reaper.release()
+            self._reaper = None
         self.stopped.set()
 
 

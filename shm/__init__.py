@@ -3,6 +3,7 @@
 - :class:`Segment`: a named segment, mode 0600, unlinked by its creator; :func:`sweep_stale`.
 - :class:`Ring`: single-producer single-consumer ring of variable-length frames.
 - :class:`Lockstep`: a monotonic u64 counter with one writer and sleeping readers.
+- ``shm.reaper``: a small process that removes a dead owner's objects and files.
 """
 
 from shm.lockstep import Lockstep

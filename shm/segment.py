@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 import re
+from collections.abc import Callable
 from types import TracebackType
 
 import posix_ipc
@@ -278,6 +279,32 @@ def sweep_stale(prefix: str = PREFIX) -> list[str]:
     inspected or removed is logged and skipped: the sweep never raises for one.
     Returns the removed ``/dev/shm`` file names.
     """
+
+    def stale(entry: str, base: str) -> bool:
+        owner = _owner(base)
+        return owner is not None and owner[1] == pid_namespace() and _is_stale(entry, owner[0])
+
+    return _remove(prefix, stale)
+
+
+def remove_all(prefix: str) -> list[str]:
+    """Remove this user's segments and semaphores under ``prefix`` (a ``/dev/shm`` file name
+    without ``sem.``, at least ``mpe.<engine_id>.<pid>-<ns>.``), whoever they look owned
+    by: for a caller that knows their owner is dead (``sweep_stale`` judges by the pid,
+    and a dead owner whose parent has not reaped it yet still has one). Never raises for
+    one entry. Returns the removed file names."""
+    if _owner(prefix + "x") is None or not prefix.endswith("."):
+        raise ValueError(f"{prefix!r} names no owner: refusing to remove more than its objects")
+
+    def ours(entry: str, _: str) -> bool:
+        return os.stat(os.path.join(SHM_DIR, entry), follow_symlinks=False).st_uid == os.geteuid()
+
+    return _remove(prefix, ours)
+
+
+def _remove(prefix: str, judge: Callable[[str, str], bool]) -> list[str]:
+    """Unlink the objects under ``prefix`` that ``judge(file name, name without sem.)``
+    condemns; log and skip one that cannot be inspected or removed."""
     removed: list[str] = []
     try:
         entries = os.listdir(SHM_DIR)
@@ -286,16 +313,15 @@ def sweep_stale(prefix: str = PREFIX) -> list[str]:
     for entry in sorted(entries):
         is_sem = entry.startswith("sem.")
         base = entry[4:] if is_sem else entry
-        owner = _owner(base)
-        if not base.startswith(prefix) or owner is None or owner[1] != pid_namespace():
+        if not base.startswith(prefix):
             continue
         try:
-            if _is_stale(entry, owner[0]) and _unlink("sem" if is_sem else "shm", "/" + base):
+            if judge(entry, base) and _unlink("sem" if is_sem else "shm", "/" + base):
                 removed.append(entry)
         except FileNotFoundError:
             continue  # its owner removed it meanwhile
         except (OSError, posix_ipc.Error) as exc:
-            logger.warning("stale sweep: left %s/%s: %s", SHM_DIR, entry, exc)
+            logger.warning("left %s/%s: %s", SHM_DIR, entry, exc)
     return removed
 
 

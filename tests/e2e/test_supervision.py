@@ -15,9 +15,7 @@ import time
 import pytest
 
 import mpengine
-from mpengine.launch import sweep_stale_runtime_dirs
 from mpengine.protocol import SamplingParams
-from shm import sweep_stale
 from tests.e2e.conftest import leftovers
 
 
@@ -44,6 +42,8 @@ def test_killed_stage_fails_requests_and_cleans_up(stage, start_engine):
         t.start()
     started.wait()
     pids = engine.pids
+    assert engine._reaper is not None
+    reaper = engine._reaper.popen
     os.kill(pids[stage], signal.SIGKILL)
     killed_at = time.monotonic()
     for t in threads:
@@ -62,6 +62,7 @@ def test_killed_stage_fails_requests_and_cleans_up(stage, start_engine):
     assert engine.dead and stage in engine.dead
     assert leftovers(engine.config.engine_id) == []
     assert not os.path.exists(engine.runtime_dir)
+    assert reaper.poll() == 0  # told the launcher cleaned up, it exited
     client.close()
     local.close()
 
@@ -76,12 +77,16 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-def test_killed_launcher_takes_its_stages_along_and_the_next_launch_sweeps(tmp_path):
-    """SIGKILL of the launcher: its stages die with it (PR_SET_PDEATHSIG); what it owned in
-    /dev/shm and its runtime dir are removed by the next launch's sweep."""
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_launcher_takes_its_stages_along_and_its_reaper_cleans_up(tmp_path, signum):
+    """A launcher killed (SIGKILL, or SIGTERM with Python's default action): its stages die
+    with it (PR_SET_PDEATHSIG), and its reaper removes what it owned in /dev/shm, its
+    runtime dir and its ipc socket files (they waited for the next launch's sweep)."""
+    ipc_dir = tmp_path / "ipc"
     script = (
         "import json, mpengine, sys\n"
-        "e = mpengine.launch(model='tiny', num_gpu_blocks_override=64, log_level='WARNING')\n"
+        "e = mpengine.launch(model='tiny', num_gpu_blocks_override=64, log_level='WARNING',\n"
+        f"                    address='ipc://{ipc_dir}')\n"
         "print(json.dumps({'id': e.config.engine_id, 'pids': e.pids, 'dir': e.runtime_dir}))\n"
         "sys.stdout.flush()\n"
         "sys.stdin.read()\n"
@@ -93,18 +98,21 @@ def test_killed_launcher_takes_its_stages_along_and_the_next_launch_sweeps(tmp_p
         ready, _, _ = select.select([proc.stdout], [], [], 120)
         assert ready, "the launcher did not start"
         info = json.loads(proc.stdout.readline())
+        assert leftovers(info["id"]) and (ipc_dir / "requests.sock").exists()
     finally:
-        proc.kill()
+        proc.send_signal(signum)
         proc.wait(10)
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in info["pids"].values()) and time.monotonic() < deadline:
+    assert proc.returncode == -signum
+
+    def left() -> list[str]:
+        stages = [name for name, pid in info["pids"].items() if _alive(pid)]
+        files = [p.name for p in ipc_dir.iterdir() if p.name != "engine.lock"]
+        return stages + leftovers(info["id"]) + files + [info["dir"]] * os.path.exists(info["dir"])
+
+    deadline = time.monotonic() + 20
+    while left():  # (polls: no sleep decides anything)
+        assert time.monotonic() < deadline, f"left after the launcher died: {left()}"
         time.sleep(0.02)
-    assert not any(_alive(pid) for pid in info["pids"].values()), "stages outlived the launcher"
-    assert leftovers(info["id"]), "the killed launcher had no chance to clean up"
-    sweep_stale()
-    sweep_stale_runtime_dirs()
-    assert leftovers(info["id"]) == []
-    assert not os.path.exists(info["dir"])
 
 
 def test_a_ctrl_c_while_stopping_hurries_the_stop_and_still_cleans_up(start_engine):

@@ -15,7 +15,7 @@ import pytest
 
 import shm.segment
 from shm import Segment, ShmSpaceError, make_name, owner_pid, sweep_stale
-from shm.segment import pid_namespace
+from shm.segment import pid_namespace, remove_all
 
 
 def shm_path(name: str) -> str:
@@ -141,6 +141,28 @@ def test_sweep_removes_objects_of_dead_owner_only(shm_engine_id: str, dead_pid: 
         assert not os.path.exists(shm_path(stale_shm))
         assert not os.path.exists(sem_path(stale_sem))
         assert sweep_stale(prefix=f"mpe.{shm_engine_id}.") == []
+
+
+def test_remove_all_takes_one_owners_objects_whatever_their_pid_says(
+    shm_engine_id: str, live_child: subprocess.Popen[bytes]
+) -> None:
+    """For a caller that knows the owner is dead (a dead process not reaped yet still has
+    its pid): every object of that owner goes, another owner's stay; a prefix that names
+    no owner is refused."""
+    owner = make_name(shm_engine_id, "plan", pid=live_child.pid)
+    other = make_name(shm_engine_id, "plan", pid=live_child.pid + 1)
+    for name in (owner, other):
+        posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=64).close_fd()
+    posix_ipc.Semaphore(owner + ".d", posix_ipc.O_CREX, mode=0o600).close()
+    prefix = owner[1:].removesuffix("plan")
+    try:
+        assert sorted(remove_all(prefix)) == sorted([owner[1:], "sem." + owner[1:] + ".d"])
+        assert os.path.exists(shm_path(other)) and not os.path.exists(shm_path(owner))
+        for bad in (f"mpe.{shm_engine_id}.", "mpe.", prefix.rstrip(".")):
+            with pytest.raises(ValueError, match="names no owner"):
+                remove_all(bad)
+    finally:
+        posix_ipc.unlink_shared_memory(other)
 
 
 def test_sweep_treats_a_reused_pid_as_dead(
