@@ -736,9 +736,10 @@ class Scheduler:
         request = seq.request
         if not self.blocks.caching or request.wants_prompt_logprobs:
             return 0
-        if request.penalises_prompt and seq.num_outputs:
-            # The executor knows the prompt (to penalise it), not the outputs before a
-            # preemption: a resumed sequence recomputes them, so they are counted again.
+        if seq.num_outputs and request.sampling is not None and request.sampling.has_penalties:
+            # Penalties read the slot's token history, which holds the prompt (when a
+            # repetition penalty needs it) and the tokens computed in the slot: a resumed
+            # sequence recomputes its earlier outputs, so that they are counted again.
             return 0
         if request.pooling is not None and request.pooling.pooling != "last":
             return 0  # mean and CLS pooling read the prompt's first tokens' hidden states

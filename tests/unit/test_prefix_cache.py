@@ -172,6 +172,31 @@ def test_a_failed_sequence_takes_its_blocks_out_of_the_cache() -> None:
     assert sched.blocks.num_cached == 0
 
 
+@pytest.mark.parametrize(
+    "penalty",
+    [{"frequency_penalty": 0.5}, {"presence_penalty": 0.5}, {"repetition_penalty": 1.2}],
+)
+def test_a_resumed_sequence_with_penalties_recomputes_its_outputs(penalty) -> None:
+    """Penalties read the slot's token history, which only the tokens computed in it fill:
+    a sequence preempted by recompute and resumed in a new slot recomputes its outputs, not
+    reuses their cached blocks (with frequency or presence penalties it did, and penalised
+    other tokens: greedy output changed with caching on)."""
+    sched = make(True, num_blocks=12, max_num_seqs=3)
+    output = FakeOutput(EOS)
+    for i in range(3):
+        add(sched, f"r{i}", list(range(10 + i, 18 + i)), max_tokens=24, ignore_eos=True, **penalty)
+    resumed = []
+
+    def on_step(sched: Scheduler, plan) -> None:
+        slots = plan.slots.numpy().tolist()
+        for start in plan.new_seqs:
+            if sched.seqs[start.seq_id].num_outputs:
+                resumed.append(plan.starts.numpy()[slots.index(start.slot)])
+
+    run(sched, output, 0, on_step)
+    assert resumed and all(start == 0 for start in resumed), resumed
+
+
 def test_prompt_logprobs_requests_compute_their_prompt() -> None:
     sched = make(True)
     output = FakeOutput(EOS)
