@@ -140,14 +140,6 @@ class BlockManager:
         self._hash_of[block_id] = block_hash
         self._cached[block_hash] = block_id
 
-    def forget(self, block_ids: list[int]) -> None:
-        """Their contents are not to be trusted (the step computing them failed)."""
-        for block_id in block_ids:
-            block_hash = self._hash_of[block_id]
-            if block_hash is not None:
-                self._hash_of[block_id] = None
-                del self._cached[block_hash]
-
     def ref_count(self, block_id: int) -> int:
         return self._refs[block_id]
 

@@ -60,7 +60,7 @@ from mpengine.protocol import (
     SeqStart,
     StepPlan,
 )
-from mpengine.scheduler.block_manager import BlockManager, chain_hashes
+from mpengine.scheduler.block_manager import BlockHash, BlockManager, chain_hashes
 from mpengine.scheduler.request import Request, Sequence, Status
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,12 @@ class Scheduler:
         self._swap_in: list[tuple[int, int]] = []
         # Block-table rows rewritten between plans (beams continuing other beams).
         self._table_updates: list[tuple[int, int, int]] = []
+        # Prefix caching: blocks a planned step fills, named (reusable by other sequences)
+        # once its feedback says the step ran. Under async depth 1 the next plan is built
+        # before that, and a failed step leaves its blocks unwritten: reused at once, they
+        # gave another request wrong tokens. Each holds a reference meanwhile, so that it
+        # cannot go to another sequence unnamed. Step -> (seq id, block, hash).
+        self._unnamed: dict[int, list[tuple[int, int, BlockHash]]] = {}
         self.requests: dict[tuple[str, str], Request] = {}  # by (client id, request id)
         self.num_waiting_requests = 0  # the queue also holds aborted ones, skipped later
         self.num_waiting_tokens = 0
@@ -411,6 +417,14 @@ class Scheduler:
     # -- feedback -------------------------------------------------------------------------
 
     def apply_feedback(self, feedback: Feedback) -> None:
+        failed = [
+            seq_id
+            for seq_id, reason in zip(
+                feedback.finished_seq_ids, feedback.finish_reasons, strict=True
+            )
+            if reason == "error"  # what its step should have written is not to be reused
+        ]
+        self._name_blocks(feedback.step, set(failed))
         for seq_id, token_id in zip(
             feedback.seq_ids.numpy().tolist(), feedback.token_ids.numpy().tolist(), strict=True
         ):
@@ -427,9 +441,12 @@ class Scheduler:
             seq = self.seqs.get(seq_id)
             if seq is None:
                 continue
-            if reason == "error":  # what its failed step wrote is not to be reused
-                self.blocks.forget(seq.block_ids)
-            elif reason != "abort" and seq.request.beam_search and not seq.finished:
+            if (
+                reason != "abort"
+                and reason != "error"
+                and seq.request.beam_search
+                and not seq.finished
+            ):
                 # The beam step that ended the search decided one token per beam too; no
                 # continuation comes back for it (``_continue_beams`` counts the others).
                 self.counters["generated_tokens"] += 1
@@ -758,16 +775,34 @@ class Scheduler:
             have += chain_hashes(tokens, self.blocks.block_size, parent, len(have))
         return have[:num_blocks]
 
-    def _register_computed(self, seq: Sequence) -> None:
-        """Name the full blocks whose tokens are known and computed (as of the plan being
-        built: a later plan that reuses them runs after this one writes them)."""
+    def _register_computed(self, seq: Sequence, step: int) -> None:
+        """Name the full blocks whose tokens are known and computed as of the plan being
+        built, once step ``step`` has run (``_name_blocks``)."""
         num_full = min(seq.num_computed, len(seq.token_ids)) // self.blocks.block_size
         if not self.blocks.caching or num_full <= seq.num_registered:
             return
         hashes = self._hashes(seq, num_full)
+        unnamed = self._unnamed.setdefault(step, [])
         for index in range(seq.num_registered, num_full):
-            self.blocks.register(seq.block_ids[index], hashes[index])
+            block = seq.block_ids[index]
+            self.blocks.share([block])
+            unnamed.append((seq.seq_id, block, hashes[index]))
         seq.num_registered = num_full
+
+    def _name_blocks(self, step: int, failed: set[int]) -> None:
+        """Step ``step`` ran (feedback comes in step order): name the blocks it filled,
+        except those of ``failed`` sequences, whose later steps are skipped too."""
+        for planned in sorted(s for s in self._unnamed if s <= step):
+            entries = self._unnamed.pop(planned)
+            for seq_id, block, block_hash in entries:
+                if seq_id not in failed:
+                    self.blocks.register(block, block_hash)
+            self.blocks.free([block for _, block, _ in entries])
+        if failed:
+            for planned, entries in self._unnamed.items():
+                dropped = [block for seq_id, block, _ in entries if seq_id in failed]
+                self._unnamed[planned] = [e for e in entries if e[0] not in failed]
+                self.blocks.free(dropped)
 
     def _try_fork(self, seq: Sequence) -> bool:
         """A sibling of an n > 1 request starts once its parent's prompt is computed: it
@@ -893,7 +928,7 @@ class Scheduler:
                 token_ids.append(-1)
             seq.num_computed = end
             seq.last_step = step
-            self._register_computed(seq)
+            self._register_computed(seq, step)
             if seq.request.pooling is not None:
                 if end == len(seq):  # the last chunk: the executor pools it
                     sample[i] = True
@@ -972,7 +1007,8 @@ class Scheduler:
         """Copy ``seq``'s blocks to host memory (listed in the plan, done before its
         forward, so the blocks can serve another sequence in the same step); False when it
         must recompute instead: swap off or full, a pooling sequence (its running sums are
-        per slot), or penalties (their token history is per slot)."""
+        per slot), penalties (their token history is per slot), or a prompt still being
+        scored (its slot scores from the first prefill only)."""
         request = seq.request
         num_blocks = len(seq.block_ids)
         if (
@@ -982,6 +1018,7 @@ class Scheduler:
             or request.pooling is not None
             or request.beam_search  # another beam may continue it meanwhile
             or (request.sampling is not None and request.sampling.has_penalties)
+            or self._scores_prompt(seq)
             or 8 * num_blocks > self._extra_bytes
         ):
             return False

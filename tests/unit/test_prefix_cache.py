@@ -162,14 +162,25 @@ def test_preemption_and_abort_with_shared_blocks() -> None:
     assert sched.blocks.num_free == sched.blocks.num_blocks
 
 
-def test_a_failed_sequence_takes_its_blocks_out_of_the_cache() -> None:
+@pytest.mark.parametrize("fails", [False, True])
+def test_blocks_are_named_once_the_step_that_fills_them_ran(fails: bool) -> None:
+    """A step's full blocks become reusable when its feedback says it ran, never when it
+    failed (they were not written). Under async depth 1 the next plan is built before that
+    feedback: it reused the blocks of a step that then failed, and another request got
+    wrong tokens."""
     sched = make(True)
-    seq_id = add(sched, "a", list(range(10, 30)), max_tokens=3)
-    plan = sched.schedule()
-    assert plan is not None and sched.blocks.num_cached == 4
-    failed = Feedback(plan.step, Array.of([], "int64"), Array.of([]), [seq_id], ["error"])
-    sched.schedule([failed])
-    assert sched.blocks.num_cached == 0
+    a = add(sched, "a", list(range(10, 30)), max_tokens=3)
+    first = sched.schedule()
+    assert first is not None and sched.blocks.num_cached == 0
+    b = add(sched, "b", list(range(10, 30)), max_tokens=3)
+    second = sched.schedule()  # (depth 1: before step 1's feedback)
+    assert second is not None and b in second.seq_ids.numpy().tolist()
+    assert second.starts.numpy()[second.seq_ids.numpy().tolist().index(b)] == 0
+    finished = ([a], ["error"]) if fails else ([], [])
+    feedback = Feedback(first.step, Array.of([], "int64"), Array.of([]), *finished)
+    sched.schedule([feedback])
+    assert sched.blocks.num_cached == (0 if fails else 4)
+    sched.blocks.check()
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ change the tokens compared against ``reference_generate``.
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 
 import pytest
 from hypothesis import given, settings
@@ -117,8 +117,9 @@ def test_n_samples_share_prompt_blocks(lag):
     seq_ids = [s.seq_id for s in sched.requests["client", "r"].seqs]
     shared = []
 
-    def on_step(sched, plan):
-        shared.append(max(sched.blocks.ref_count(b) for b in range(sched.blocks.num_blocks)))
+    def on_step(sched, plan):  # how many samples hold a block
+        held = Counter(b for seq in sched.seqs.values() for b in seq.block_ids)
+        shared.append(max(held.values(), default=0))
 
     run(sched, output, lag, on_step)
     assert max(shared) == 3, "the three samples should share the prompt's full blocks"
@@ -391,6 +392,37 @@ def test_token_counters(lag):
     # lag 1 a sequence that finished may have had one more decode planned (wasted).
     expected = 13 + 5 + generated - 2
     assert expected <= stats["computed_tokens"] <= expected + 2 * lag
+
+
+def test_a_prompt_still_being_scored_is_preempted_by_recompute_not_swap():
+    """Prompt logprobs are scored by the slot of a sequence's first prefill: one swapped
+    out half-way through its prompt resumed in a slot that scored nothing, and returned
+    fewer prompt logprobs than prompt tokens. It recomputes instead (its scored prompt
+    chunks start again from 0); the others still swap."""
+    rng = random.Random(3)
+    sched = make_scheduler(
+        num_blocks=16, block_size=4, max_num_seqs=4, budget=8, num_host_blocks=32
+    )
+    for i in range(3):
+        add(sched, f"d{i}", [rng.randrange(6, VOCAB) for _ in range(8)], max_tokens=30)
+    params = SamplingParams(max_tokens=4, prompt_logprobs=1)
+    prompt = [rng.randrange(6, VOCAB) for _ in range(40)]
+    sched.add_request(AddRequest("p", Array.of(prompt), params), "client")
+    scored = sched.requests["client", "p"].seqs[0].seq_id
+    output = FakeOutput(EOS)
+    starts: list[tuple[int, bool]] = []  # (start, scores) of each start of the scored one
+
+    def on_step(sched, plan):
+        slots = plan.slots.numpy().tolist()
+        for start in plan.new_seqs:
+            if start.seq_id == scored:
+                starts.append(
+                    (int(plan.starts.numpy()[slots.index(start.slot)]), start.prompt_logprobs)
+                )
+
+    run(sched, output, 1, on_step)
+    assert sched.counters["swapped_out_blocks"] > 0  # the decoding ones swapped
+    assert len(starts) > 1 and all(start == (0, True) for start in starts), starts
 
 
 def test_aborting_a_swapped_sequence_frees_its_host_blocks():
