@@ -108,6 +108,7 @@ _MONITOR_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 HELLO_RETRY_S = 0.1  # the first wait for a hello's answer before connecting again
+HELLO_SEND_POLL_S = 0.01  # how often a hello no connection takes yet is tried again
 HELLO_RETRY_MAX_S = 2.0
 
 
@@ -474,7 +475,9 @@ class _Dealer:
         """Send ``hello`` and return the engine's answer; raise ``ConnectionError`` (or
         ``PermissionError`` when the engine refused the auth token) if there is none."""
         assert self.monitor is not None
-        self.sock.send(hello)
+        # Never a blocking send: a DEALER with no connection to the engine (one that hung up
+        # on a failed handshake) blocks until it has one, past any deadline.
+        sent = self._try_send(hello)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
@@ -492,12 +495,17 @@ class _Dealer:
                     " another live connection already uses.)"
                 )
             if time.monotonic() >= retry_at:
-                self.sock.disconnect(self.address)
+                with contextlib.suppress(zmq.ZMQError):  # (not connected: ENOENT)
+                    self.sock.disconnect(self.address)
                 self.sock.connect(self.address)
-                self.sock.send(hello)
+                sent = self._try_send(hello)
                 retry_s = min(2 * retry_s, HELLO_RETRY_MAX_S)
                 retry_at = time.monotonic() + retry_s
+            elif not sent:
+                sent = self._try_send(hello)
             wait_s = min(remaining, max(0.0, retry_at - time.monotonic()))
+            if not sent:
+                wait_s = min(wait_s, HELLO_SEND_POLL_S)
             events = dict(poller.poll(max(1, int(wait_s * 1000))))
             if self.sock in events:
                 frame = self.sock.recv()
@@ -518,6 +526,13 @@ class _Dealer:
                 for event, value in self.events():
                     if failure := self._handshake_failure(event, value):
                         raise failure
+
+    def _try_send(self, frame: bytes) -> bool:
+        try:
+            self.sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     def _handshake_failure(self, event: int, value: int) -> Exception | None:
         where = f"the engine at {self.address}"

@@ -48,3 +48,42 @@ def test_prompt_token_ids_are_checked_before_they_are_packed() -> None:
     ]:
         with pytest.raises(InvalidRequestError, match=message):
             token_array(prompt)
+
+
+def test_a_hello_with_no_connection_to_take_it_never_blocks_past_the_deadline():
+    """A DEALER with no connection (the engine hung up on a failed handshake) blocks a
+    send until it has one: the hello was sent blocking, before the deadline loop, and a
+    client given a timeout hung forever. Nothing listens here, and the socket's
+    connection is dropped before the hello: the handshake still ends at its deadline."""
+    import socket
+    import threading
+
+    import msgspec
+    import zmq
+
+    from mpengine.client import _Deadline, _Dealer
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    ctx = zmq.Context()
+    dealer = _Dealer(ctx, address, "client-1", None)
+    dealer.sock.disconnect(address)
+    raised: list[BaseException] = []
+
+    def shake() -> None:
+        try:
+            dealer.handshake(b"hello", msgspec.msgpack.Decoder(), _Deadline(0.5))
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=shake, daemon=True)
+    thread.start()
+    thread.join(30)
+    try:
+        assert not thread.is_alive(), "the handshake blocked past its deadline"
+        assert len(raised) == 1 and isinstance(raised[0], ConnectionError), raised
+    finally:
+        if not thread.is_alive():
+            dealer.close()
+            ctx.term()
