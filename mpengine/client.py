@@ -1097,7 +1097,8 @@ class _Window:
 def _priorities(priority: int | Sequence[int], count: int) -> list[int]:
     """One priority per prompt: the same for all, or a sequence of them (each is checked
     where its request is made)."""
-    priorities = [priority] * count if isinstance(priority, int) else list(priority)
+    one = not isinstance(priority, Sequence) or isinstance(priority, str | bytes)
+    priorities = [priority] * count if one else list(priority)  # type: ignore[arg-type]
     if len(priorities) != count:
         raise ValueError(f"{count} prompts and {len(priorities)} priorities: give one per prompt")
     return priorities

@@ -29,11 +29,14 @@ that no frame a stage derives from a request can outgrow the rings (see ``limits
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
+import msgspec.inspect
 import numpy as np
 from msgspec import Meta
 
@@ -268,7 +271,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
         )
 
     def validate(self) -> SamplingParams:
-        """Check the constraints now (msgspec checks them on decode, not on construction)."""
+        """Check every constraint now (the constructor checks the numbers; msgspec checks
+        the rest, such as the stop strings' lengths, on decode)."""
         return _revalidate(self)
 
 
@@ -321,18 +325,43 @@ _SAMPLING_FLOATS = (
 
 
 def _check_numbers(params: msgspec.Struct, ints: tuple[str, ...], floats: tuple[str, ...]) -> None:
-    """Numeric fields hold numbers (or None) before anything compares them: a constructor
-    given ``temperature="0.5"`` should say so, not fail comparing a str. Ranges are msgspec's
-    (``validate``); integers beyond 64 bits, which msgpack cannot carry, are refused here."""
+    """Numeric fields hold numbers (or None) within their annotated ranges, checked when the
+    parameters are made: msgspec checks the ranges only when it decodes, so a caller's
+    ``SamplingParams(temperature=-1)`` failed later, at the request, in msgspec's words. A
+    constructor given ``temperature="0.5"`` says so, not fail comparing a str; integers
+    beyond 64 bits, which msgpack cannot carry, are refused."""
+    bounds = _bounds(type(params))
     for name in ints + floats:
         value = getattr(params, name)
         allowed = (int,) if name in ints else (int, float)
-        if value is None or (isinstance(value, allowed) and not isinstance(value, bool)):
-            if name in ints and value is not None and not -(2**63) <= value < 2**63:
-                raise ValueError(f"{name} ({value}) is outside the 64-bit integer range")
+        if value is None:
             continue
-        kind = "an integer" if name in ints else "a number"
-        raise ValueError(f"{name} ({value!r}) must be {kind}, not {type(value).__name__}")
+        if not isinstance(value, allowed) or isinstance(value, bool):
+            kind = "an integer" if name in ints else "a number"
+            raise ValueError(f"{name} ({value!r}) must be {kind}, not {type(value).__name__}")
+        if name in ints and not -(2**63) <= value < 2**63:
+            raise ValueError(f"{name} ({value}) is outside the 64-bit integer range")
+        for op, bound, holds in zip(_OPS, bounds.get(name, ()), _HOLDS, strict=False):
+            if bound is not None and not holds(value, bound):
+                raise ValueError(f"{name} must be {op} {bound}, got {value}")
+
+
+_OPS = (">=", ">", "<=", "<")
+_HOLDS = (operator.ge, operator.gt, operator.le, operator.lt)
+
+
+@functools.cache
+def _bounds(cls: type) -> dict[str, tuple[float | None, ...]]:
+    """Each numeric field's range (ge, gt, le, lt), from its annotation."""
+    bounds = {}
+    for field in msgspec.inspect.type_info(cls).fields:
+        kinds = (
+            field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else [field.type]
+        )
+        for kind in kinds:
+            if isinstance(kind, msgspec.inspect.IntType | msgspec.inspect.FloatType):
+                bounds[field.name] = (kind.ge, kind.gt, kind.le, kind.lt)
+    return bounds
 
 
 def lone_surrogate(text: str) -> bool:

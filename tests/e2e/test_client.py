@@ -400,8 +400,9 @@ def test_priority_scheduling_serves_every_priority(start_engine):
         assert [o.token_ids for o in outs] == alone
         with pytest.raises(ValueError, match="6 prompts and 2 priorities"):
             c.generate_many(prompts, params, priority=[1, 2])
-        with pytest.raises(mpengine.InvalidRequestError, match="priority"):
-            c.generate(prompts[0], params, priority=2**40)
+        for bad in (2**40, 1.5, None, "1"):  # (a float or None was a TypeError)
+            with pytest.raises(mpengine.InvalidRequestError, match="priority"):
+                c.generate(prompts[0], params, priority=bad)
         assert_idle(c)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 import msgspec
 import numpy as np
@@ -105,30 +106,42 @@ def test_array_shape_must_match_data():
         DECODERS["client_request"]().decode(bad)
 
 
-@pytest.mark.parametrize(
-    "params, field",
-    [
-        (SamplingParams(temperature=-1.0), "sampling.temperature"),
-        (SamplingParams(top_p=0.0), "sampling.top_p"),
-        (SamplingParams(top_p=1.5), "sampling.top_p"),
-        (SamplingParams(max_tokens=0), "sampling.max_tokens"),
-        (SamplingParams(min_p=2.0), "sampling.min_p"),
-        (SamplingParams(n=0), "sampling.n"),
-        (SamplingParams(logprobs=100), "sampling.logprobs"),
-        (SamplingParams(repetition_penalty=0.0), "sampling.repetition_penalty"),
-        # Past float32's range the executor's division overflows, and the draw is NaN.
-        (SamplingParams(repetition_penalty=1e-300), "sampling.repetition_penalty"),
-        (SamplingParams(repetition_penalty=1e300), "sampling.repetition_penalty"),
-        (SamplingParams(temperature=1e300), "sampling.temperature"),
-    ],
-)
-def test_validation_names_the_field(params, field):
+BAD_NUMBERS = [
+    ("temperature", -1.0, ">= 0.0"),
+    ("top_p", 0.0, "> 0.0"),
+    ("top_p", 1.5, "<= 1.0"),
+    ("max_tokens", 0, ">= 1"),
+    ("min_p", 2.0, "<= 1.0"),
+    ("n", 0, ">= 1"),
+    ("logprobs", 100, "<= 20"),
+    ("repetition_penalty", 0.0, ">= 1e-06"),
+    # Past float32's range the executor's division overflows, and the draw is NaN.
+    ("repetition_penalty", 1e-300, ">= 1e-06"),
+    ("repetition_penalty", 1e300, "<= 1000000.0"),
+    ("temperature", 1e300, "<= 1000000.0"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "bound"), BAD_NUMBERS)
+def test_validation_names_the_field(name, value, bound):
+    """The engine refuses a frame whose parameters are out of range (a client that did
+    not make them with the constructor), naming the field."""
+    params = SamplingParams()
+    setattr(params, name, value)  # (past the constructor's checks)
     frame = encoder.encode(AddRequest("r", IDS, params))
     with pytest.raises(msgspec.ValidationError) as info:
         DECODERS["client_request"]().decode(frame)
-    assert field in describe_error(info.value, AddRequest)
+    assert f"sampling.{name}" in describe_error(info.value, AddRequest)
     # The request can still be named in the reply.
     assert msgspec.msgpack.decode(frame, type=RequestHeader).request_id == "r"
+
+
+@pytest.mark.parametrize(("name", "value", "bound"), BAD_NUMBERS)
+def test_the_constructor_refuses_numbers_out_of_range(name, value, bound):
+    """At construction, in Python's words (msgspec checks the ranges only on decode: they
+    failed later, at the request)."""
+    with pytest.raises(ValueError, match=rf"^{name} must be {re.escape(bound)}, got "):
+        SamplingParams(**{name: value})
 
 
 def test_temperatures_below_the_sampling_epsilon_are_greedy():
@@ -171,17 +184,23 @@ def test_vllm_spellings_and_wrong_types():
     ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs).validate()
-    with pytest.raises(msgspec.ValidationError, match=r"max_tokens"):
-        SamplingParams(max_tokens=-3).validate()
+    with pytest.raises(ValueError, match=r"max_tokens must be >= 1, got -3"):
+        SamplingParams(max_tokens=-3)
     with pytest.raises(ValueError, match="dimensions"):
-        PoolingParams(dimensions=2**64).validate()
-    with pytest.raises(msgspec.ValidationError, match="truncate_prompt_tokens"):
-        PoolingParams(truncate_prompt_tokens=2**40).validate()
+        PoolingParams(dimensions=2**64)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be <= 2147483647"):
+        PoolingParams(truncate_prompt_tokens=2**40)
 
 
 def test_validate_before_sending():
+    """``validate`` checks every constraint (the constructor checks the numbers): a field
+    set after construction, a stop string too long."""
+    params = SamplingParams()
+    params.temperature = -2.0
     with pytest.raises(msgspec.ValidationError, match="temperature"):
-        SamplingParams(temperature=-2.0).validate()
+        params.validate()
+    with pytest.raises(msgspec.ValidationError, match="stop"):
+        SamplingParams(stop=["x" * 5000]).validate()
     assert SamplingParams(temperature=0.0).validate().greedy
 
 
