@@ -249,7 +249,7 @@ class _Assembly:
         if delta.prompt_logprobs is not None:
             self.output.prompt_logprobs = [None, *_logprob_dicts(delta.prompt_logprobs)]
             ranks = delta.prompt_logprobs.ranks
-            if ranks.shape and ranks.shape[0]:
+            if ranks.shape and ranks.shape[0] == len(delta.prompt_logprobs.token_ids):
                 self.output.prompt_logprob_ranks = [None, *ranks.numpy().tolist()]
         out.cumulative_logprob = new.cumulative_logprob = delta.cumulative_logprob
         ranked = delta.cumulative_logprob is not None  # index 0 counts every sample's tokens

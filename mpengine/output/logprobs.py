@@ -37,14 +37,20 @@ def logprob_row(logprobs: Logprobs, row: int, num_top: int) -> Logprobs:
     )
 
 
-def concat_logprobs(chunks: list[PromptLogprobs], num_top: int) -> Logprobs | None:
+def concat_logprobs(chunks: list[PromptLogprobs], num_top: int) -> Logprobs:
     """Join a sequence's prompt logprob chunks in position order.
 
     A position can arrive twice (a sequence preempted before its first output recomputes
     its prompt): the first value is kept, so the result does not depend on preemption.
     """
-    if not chunks:
-        return None
+    if not chunks:  # a one-token prompt: no position is scored (its first has no logprob)
+        return Logprobs(
+            Array.of(np.zeros(0, np.int32), "int32"),
+            Array.of(np.zeros(0, np.float32), "float32"),
+            Array.of(np.zeros((0, num_top), np.int32), "int32"),
+            Array.of(np.zeros((0, num_top), np.float32), "float32"),
+            Array.of(np.zeros(0, np.int32), "int32"),
+        )
     first: dict[int, int] = {}  # position -> row in the stacked chunks
     offset = 0
     for chunk in chunks:

@@ -354,7 +354,8 @@ class Scheduler:
                 f"{max_tokens} tokens fit after the {len(prompt)}-token prompt "
                 f"(max_model_len={self.max_model_len})"
             )
-        if self.blocks.blocks_for(len(prompt) + max_tokens) > self.blocks.num_blocks:
+        # (the last token is sampled, never computed: its keys and values take no slot)
+        if self.blocks.blocks_for(len(prompt) + max_tokens - 1) > self.blocks.num_blocks:
             raise RequestRejected(
                 f"the KV cache ({self.blocks.num_blocks} blocks) cannot hold this request",
                 "too_large",

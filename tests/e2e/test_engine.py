@@ -112,6 +112,10 @@ def test_logprobs_returned(client):
         assert all(v <= 0 for v in row.values())
     assert out.prompt_logprobs is not None
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert len(out.prompt_logprob_ranks) == len(out.prompt_token_ids)
+    # One entry per prompt token for a one-token prompt too (its first is None), not None.
+    one = client.generate([7], SamplingParams(max_tokens=2, prompt_logprobs=2))
+    assert one.prompt_logprobs == [None] and one.prompt_logprob_ranks == [None]
 
 
 def test_abort_mid_stream_frees_every_block(client):

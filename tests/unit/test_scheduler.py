@@ -242,6 +242,14 @@ def test_rejects_request_bigger_than_cache_and_duplicate_ids():
     sched = make_scheduler(num_blocks=4, block_size=4)
     with pytest.raises(RequestRejected, match="cannot hold"):
         add(sched, "big", list(range(10, 20)), max_tokens=20)
+    with pytest.raises(RequestRejected, match="cannot hold"):
+        add(sched, "one-too-many", list(range(10, 20)), max_tokens=8)
+    # 10 + 7 tokens fill the 16 slots but one: the last is sampled, never computed.
+    add(sched, "fits", list(range(10, 20)), max_tokens=7)
+    seq_id = sched.requests["client", "fits"].seqs[0].seq_id
+    output = FakeOutput(EOS)
+    run(sched, output, 1)
+    assert output.outputs[seq_id] == reference_generate(list(range(10, 20)), 7, EOS, VOCAB)
     add(sched, "ok", [10])
     with pytest.raises(RequestRejected, match="already in use"):
         add(sched, "ok", [10])
