@@ -3,17 +3,25 @@ OS processes, in lockstep over shared-memory rings."""
 
 __version__ = "0.1.0"
 
-from mpengine.client import AsyncClient, Client, CompletionOutput, EmbeddingOutput, RequestOutput
+from mpengine.client import (
+    AsyncClient,
+    Client,
+    CompletionOutput,
+    EmbeddingOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from mpengine.config import EngineConfig
 from mpengine.errors import (
     ClientClosedError,
     EngineDeadError,
     EngineStartError,
     InvalidRequestError,
+    ProtocolError,
     RequestFailedError,
 )
 from mpengine.launch import Engine, launch
-from mpengine.protocol import PoolingParams, SamplingParams
+from mpengine.protocol import EngineInfo, EngineStats, PoolingParams, SamplingParams
 
 __all__ = [
     "AsyncClient",
@@ -24,10 +32,14 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineDeadError",
+    "EngineInfo",
     "EngineStartError",
+    "EngineStats",
     "InvalidRequestError",
     "PoolingParams",
+    "ProtocolError",
     "RequestFailedError",
+    "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
     "__version__",

@@ -97,7 +97,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
-    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    group.add_argument(
+        "--temperature", type=float, default=0.0, help="0 is greedy (the default here)"
+    )
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     group.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: all)")
     group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below p * max")
@@ -286,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="launch an engine, complete prompts, print them")
-    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument(
+        "--prompt", action="append", help="a prompt (repeatable; default 'The quick brown fox')"
+    )
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--json", action="store_true", help="print one JSON object per sample")
     add_sampling_args(gen)
@@ -389,7 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + exc.signum
     except InvalidRequestError as exc:
         print(f"mpengine: the engine refused the request: {exc}", file=sys.stderr)
-    except (EngineStartError, EngineDeadError, RequestFailedError, ConnectionError) as exc:
+    except (
+        EngineStartError,
+        EngineDeadError,
+        RequestFailedError,
+        ConnectionError,
+        PermissionError,  # (an engine that refused the auth token)
+    ) as exc:
         print(f"mpengine: {exc}", file=sys.stderr)
     except TimeoutError as exc:
         print(f"mpengine: timed out: {exc}", file=sys.stderr)

@@ -432,6 +432,7 @@ class Engine:
         self._stop_all(grace=0.5)
 
     def on_death(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` (from the supervisor thread) if a stage dies."""
         self._death_callbacks.append(callback)
 
     # -- public ---------------------------------------------------------------------------
@@ -443,22 +444,32 @@ class Engine:
 
     @property
     def pids(self) -> dict[str, int]:
+        """Each stage's process id, by stage name."""
         return {name: p.pid for name, p in self.processes.items() if p.pid is not None}
 
-    def client(self, **kwargs) -> Client:
-        return self._connect(Client, kwargs)
+    def client(
+        self, *, timeout: float = 30.0, client_id: str | None = None, auth_token: str | None = None
+    ) -> Client:
+        """A ``Client`` of this engine (with its auth token unless given another); told at
+        once if a stage dies."""
+        return self._connect(Client, timeout, client_id, auth_token)
 
-    def async_client(self, **kwargs) -> AsyncClient:
-        return self._connect(AsyncClient, kwargs)
+    def async_client(
+        self, *, timeout: float = 30.0, client_id: str | None = None, auth_token: str | None = None
+    ) -> AsyncClient:
+        """An ``AsyncClient`` of this engine, as ``client``."""
+        return self._connect(AsyncClient, timeout, client_id, auth_token)
 
-    def _connect(self, kind: type[C], kwargs: dict) -> C:
+    def _connect(
+        self, kind: type[C], timeout: float, client_id: str | None, auth_token: str | None
+    ) -> C:
         """A client told at once if a stage dies (held weakly: clients come and go)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
         if self._stopping.is_set():
             raise EngineDeadError("the engine was shut down")
-        kwargs.setdefault("auth_token", self.config.auth_token)
-        client = kind(self.address, **kwargs)
+        token = auth_token if auth_token is not None else self.config.auth_token
+        client = kind(self.address, timeout=timeout, client_id=client_id, auth_token=token)
         self._clients.add(client)
         return client
 

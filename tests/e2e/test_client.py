@@ -655,3 +655,9 @@ def test_wrong_or_missing_token_is_refused_fast(remote, token):
     assert time.monotonic() - start < 5
     with engine.client() as ok:
         assert len(ok.generate([1, 2, 3], SamplingParams(max_tokens=2)).token_ids) == 2
+
+
+def test_an_address_that_is_no_engine_address_is_a_value_error():
+    for address in ("http://127.0.0.1:8000", "/tmp/some/dir", "127.0.0.1:5555"):
+        with pytest.raises(ValueError, match="is not an engine address"):
+            mpengine.Client(address, timeout=1)
