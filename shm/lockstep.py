@@ -87,8 +87,6 @@ class Lockstep:
         except BaseException:
             self.close()
             raise
-        # Only the writer's stores change the value, so the writer may trust this copy.
-        self._written = self._value.value
 
     @classmethod
     def create(
@@ -120,16 +118,18 @@ class Lockstep:
     def advance_to(self, k: int) -> None:
         """Set the value to ``k`` and wake sleeping readers (writer only).
 
-        ``k`` equal to the value is a no-op; below it raises ValueError.
+        ``k`` equal to the value is a no-op; below it raises ValueError. The shared value is
+        compared, not what this handle last wrote: a second (stale) writer cannot move the
+        counter back.
         """
-        if k <= self._written:
-            if k == self._written:
+        current = self._value.value
+        if k <= current:
+            if k == current:
                 return
-            raise ValueError(f"{self.name}: cannot go back from {self._written} to {k}")
+            raise ValueError(f"{self.name}: cannot go back from {current} to {k}")
         if k > _U64_MAX:
             raise ValueError(f"{self.name}: {k} does not fit in a u64")
         self._value.value = k
-        self._written = k
         for flag, sem in zip(self._flags, self._sems, strict=True):
             if flag.value:
                 sem.release()

@@ -44,6 +44,12 @@ def test_writer_attached_later_continues_from_the_value(counter: Lockstep) -> No
             writer.advance_to(6)
         writer.advance_to(8)
     assert counter.value == 8
+    # A stale writer (attached before the value moved on) cannot move it back either.
+    with Lockstep.attach(counter.name) as stale:
+        counter.advance_to(20)
+        with pytest.raises(ValueError, match="cannot go back from 20 to 10"):
+            stale.advance_to(10)
+    assert counter.value == 20
 
 
 def test_wait_times_out_loudly(counter: Lockstep) -> None:
