@@ -115,6 +115,21 @@ class Executor:
             host = allocate_swap_space(spec, num_host_blocks, self.device)
             self.swapper = Swapper(self.kv_caches, host, self.num_blocks)
         self.max_model_len = self.loaded.max_model_len
+        capacity = self.num_blocks * config.block_size
+        if self.num_blocks and capacity < self.max_model_len:
+            # A sequence longer than the whole cache could never run: requests asking for
+            # one (no max_tokens given means "up to max_model_len") were refused.
+            logger.warning(
+                "the KV cache holds %d tokens (%d blocks of %d): max_model_len lowered from %d "
+                "to %d; give the cache more memory (kv_cache_bytes, gpu_memory_utilization) "
+                "for longer sequences",
+                capacity,
+                self.num_blocks,
+                config.block_size,
+                self.max_model_len,
+                capacity,
+            )
+            self.max_model_len = capacity
         self.slots = SlotState(
             config.num_slots,
             max_blocks_per_seq=math.ceil(self.max_model_len / config.block_size),

@@ -301,3 +301,17 @@ def test_best_of_returns_the_n_most_likely_samples(client):
     assert [round(s, 3) for s in scores] == [round(s, 3) for s in best]
     with pytest.raises(mpengine.InvalidRequestError, match="cannot be streamed"):
         next(client.stream(PROMPT, params))
+
+
+def test_a_cache_smaller_than_the_context_lowers_max_model_len(start_engine):
+    """8 blocks of 16 hold 128 tokens of tiny's 4096: max_model_len is 128 (with a warning),
+    so a request that gives no max_tokens ("up to max_model_len") runs to that limit; it was
+    refused as too large for the cache."""
+    small = start_engine(model="tiny", num_gpu_blocks_override=8)
+    with small.client() as c:
+        assert c.info.max_model_len == 8 * 16
+        prompt = list(range(5, 25))
+        out = c.generate(prompt, SamplingParams(max_tokens=None, ignore_eos=True), timeout=120)
+        assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 128
+        with pytest.raises(mpengine.InvalidRequestError, match="max_model_len"):
+            c.generate(list(range(5, 140)), SamplingParams(max_tokens=1))
