@@ -144,11 +144,12 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
         if body.messages is not None:
             if not body.messages:  # as chat completions refuse it
                 raise APIError(400, "messages is empty: give at least one message", "messages")
+            given = {"add_generation_prompt"} & body.model_fields_set  # (defaults stay so)
             chat = ChatCompletionRequest(
                 messages=body.messages,
-                add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 chat_template_kwargs=body.chat_template_kwargs,
+                **{name: getattr(body, name) for name in given},
             )
             ids = await chat_prompt(state, chat)
         else:

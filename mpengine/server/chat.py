@@ -40,7 +40,14 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[i
     """The token ids of the rendered conversation."""
     extra = dict(body.chat_template_kwargs or {})
     # As vLLM, chat_template_kwargs may say add_generation_prompt too, and win.
+    explicit = "add_generation_prompt" in extra or "add_generation_prompt" in body.model_fields_set
     add_generation_prompt = bool(extra.pop("add_generation_prompt", body.add_generation_prompt))
+    if body.continue_final_message and add_generation_prompt and explicit:  # (as vLLM)
+        raise bad_request(
+            "continue_final_message and add_generation_prompt exclude each other: leave "
+            "add_generation_prompt out (or false) to continue the final message",
+            "continue_final_message",
+        )
     messages = state.text.message_dicts(body.messages)
     # A long conversation renders in a worker thread, as long texts are tokenized: the
     # event loop goes on serving the other requests' streams (and /health) meanwhile.

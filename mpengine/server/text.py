@@ -53,12 +53,18 @@ class TextTools:
             as_transformers_encodes(Tokenizer.from_file(str(path))) if path.exists() else None
         )
         config = _read_json(directory / "tokenizer_config.json")
-        # What transformers hands a template besides the messages (its special tokens map).
+        # What transformers hands a template besides the messages (its special tokens map:
+        # tokenizer_config.json's, else special_tokens_map.json's, where older models keep
+        # them).
+        legacy = _read_json(directory / "special_tokens_map.json")
         self.special_tokens: dict[str, Any] = {
-            name: _token_text(config.get(name))
+            name: _token_text(config.get(name) or legacy.get(name))
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
-        if isinstance(extra_tokens := config.get("additional_special_tokens"), list):
+        extra_tokens = config.get("additional_special_tokens") or legacy.get(
+            "additional_special_tokens"
+        )
+        if isinstance(extra_tokens, list):
             self.special_tokens["additional_special_tokens"] = list(map(_token_text, extra_tokens))
         source = chat_template if chat_template is not None else _model_template(directory, config)
         self.template = compile_template(source) if source is not None else None
@@ -164,30 +170,76 @@ class TextTools:
         return text
 
 
+# Content parts that are text, and the field holding it (the OpenAI Responses API's input
+# and output text; an assistant's refusal, which the openai client sends back).
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 def message_dicts(messages: list[Any], content_format: str = "string") -> list[dict[str, Any]]:
     """Chat messages as the template expects them, as vLLM passes them: content as one string
     (text parts joined by newlines) or, in the ``openai`` format, as a list of text parts (a
     string becomes one part); a missing or null ``content`` (an assistant turn that called
-    tools) as ``""`` or no parts: templates read ``message['content']`` unguarded."""
+    tools) as ``""`` or no parts: templates read ``message['content']`` unguarded. Tool calls
+    as tool-use templates expect them (``_tool_calls``)."""
     result = []
-    for message in messages:
+    for i, message in enumerate(messages):
         record = message.model_dump(exclude_none=True)
         content = record.get("content")
         texts = [content] if isinstance(content, str) else []
-        for part in content if isinstance(content, list) else []:
-            if part.get("type") != "text":
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            kind = part.get("type")
+            if kind not in TEXT_PARTS:
                 raise bad_request(
-                    f"content parts of type {part.get('type')!r} are not supported: "
-                    "this server serves text models",
-                    "messages",
+                    f"content parts of type {kind!r} are not supported: this server takes "
+                    f"text only ({', '.join(TEXT_PARTS)})",
+                    f"messages.{i}.content.{j}.type",
                 )
-            texts.append(str(part.get("text", "")))
+            text = part.get(TEXT_PARTS[kind])
+            if not isinstance(text, str):
+                raise bad_request(
+                    f"a {kind!r} part needs a string {TEXT_PARTS[kind]!r}, not "
+                    f"{type(text).__name__}",
+                    f"messages.{i}.content.{j}.{TEXT_PARTS[kind]}",
+                )
+            texts.append(text)
         if content_format == "openai":
             record["content"] = [{"type": "text", "text": text} for text in texts]
         else:
             record["content"] = "\n".join(texts)
+        if "tool_calls" in record:
+            _tool_calls(record, i)
         result.append(record)
     return result
+
+
+def _tool_calls(record: dict[str, Any], index: int) -> None:
+    """An assistant's past tool calls as templates read them (vLLM's normalisation): the
+    arguments as a dict, not OpenAI's JSON string (rendered ``| tojson`` it was encoded
+    twice), ``{}`` for empty ones; no ``tool_calls`` key for an empty list (templates take
+    its presence for a tool-call turn)."""
+    calls = record["tool_calls"]
+    if not calls:
+        del record["tool_calls"]
+        return
+    if not isinstance(calls, list):
+        raise bad_request("tool_calls must be a list", f"messages.{index}.tool_calls")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise bad_request(
+                "a tool call needs a 'function' object", f"messages.{index}.tool_calls.{j}"
+            )
+        arguments = function.get("arguments")
+        if not arguments:
+            function["arguments"] = {}
+        elif isinstance(arguments, str):
+            try:
+                function["arguments"] = json.loads(arguments)
+            except ValueError as exc:
+                raise bad_request(
+                    f"a tool call's arguments are not JSON: {exc}",
+                    f"messages.{index}.tool_calls.{j}.function.arguments",
+                ) from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -288,10 +340,12 @@ def load_chat_template(value: str) -> str:
         source = value
     else:
         raise ValueError(f"the chat template {value!r} looks like a path, but no such file exists")
-    try:
-        _environment().parse(source)
+    try:  # compiled, not only parsed: an unknown filter or test is found here
+        _environment().from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"the chat template does not compile: {exc} (line {exc.lineno})") from None
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"the chat template does not compile: {exc}") from None
     return source
 
 

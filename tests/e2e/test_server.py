@@ -588,6 +588,12 @@ def test_chat_prompt_logprobs_parts_and_tokenize_options(server: Served, ipc) ->
     )
     closed = tokenize(server, messages=turns, add_generation_prompt=False)
     assert continued != closed and len(continued) < len(closed)
+    # continuing needs no generation prompt: left out, it is dropped; given true, a 400
+    assert tokenize(server, messages=turns, continue_final_message=True) == continued
+    for path in ("/tokenize", "/v1/chat/completions"):
+        both = {"messages": turns, "continue_final_message": True, "add_generation_prompt": True}
+        status, reply = http(server, path, both)
+        assert status == 400 and reply["error"]["param"] == "continue_final_message", reply
     status, reply = http(server, "/tokenize", {"messages": []})
     assert status == 400 and reply["error"]["param"] == "messages"
 

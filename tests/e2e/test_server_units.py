@@ -290,6 +290,78 @@ def test_chat_template_flag_reads_a_file_or_a_template(tmp_path: Path) -> None:
         load_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="does not compile"):
         load_chat_template("{% for m in messages %}")
+    # An unknown filter is found when the template compiles: the server started with chat
+    # off, every chat request a 400 "no chat template".
+    with pytest.raises(ValueError, match="does not compile: No filter named 'from_json'"):
+        load_chat_template("{{ messages[0].content | from_json }}")
+
+
+def test_parts_are_text_of_every_text_kind_and_strings_only() -> None:
+    """input_text, output_text and refusal parts are text (as vLLM reads them); a part whose
+    text is not a string is a 400 naming it (null rendered as 'None', an object as its
+    Python repr)."""
+    parts = [
+        {"type": "text", "text": "a"},
+        {"type": "input_text", "text": "b"},
+        {"type": "output_text", "text": "c"},
+        {"type": "refusal", "refusal": "d"},
+    ]
+    (record,) = message_dicts([ChatMessage(role="assistant", content=parts)])
+    assert record["content"] == "a\nb\nc\nd"
+    for bad in (None, 5, {"a": 1}):
+        with pytest.raises(APIError, match="needs a string 'text'") as info:
+            message_dicts([ChatMessage(role="user", content=[{"type": "text", "text": bad}])])
+        assert info.value.param == "messages.0.content.0.text"
+    with pytest.raises(APIError, match="text only") as info:
+        message_dicts([ChatMessage(role="user", content=[{"type": "image_url"}])])
+    assert info.value.param == "messages.0.content.0.type"
+
+
+def test_past_tool_calls_reach_the_template_as_vllm_passes_them() -> None:
+    """OpenAI's arguments are a JSON string: templates (``| tojson``) rendered them encoded
+    twice. They are a dict, ``{}`` when empty; an empty tool_calls list is no key (templates
+    took it for a tool-call turn: a 400, or the assistant's text dropped)."""
+
+    def call(arguments: object) -> dict:
+        return {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+
+    messages = [
+        ChatMessage(role="user", content="weather?"),
+        ChatMessage(role="assistant", tool_calls=[call('{"city": "Paris"}'), call(""), call(None)]),
+        ChatMessage(role="tool", content="sunny", tool_call_id="c1"),
+        ChatMessage(role="assistant", content="hello", tool_calls=[]),
+    ]
+    records = message_dicts(messages)
+    arguments = [c["function"]["arguments"] for c in records[1]["tool_calls"]]
+    assert arguments == [{"city": "Paris"}, {}, {}]
+    assert "tool_calls" not in records[3] and records[3]["content"] == "hello"
+    with pytest.raises(APIError, match="not JSON") as info:
+        message_dicts([ChatMessage(role="assistant", tool_calls=[call("{oops")])])
+    assert info.value.param == "messages.0.tool_calls.0.function.arguments"
+
+
+def test_special_tokens_of_older_models_come_from_special_tokens_map(tmp_path: Path) -> None:
+    """bos and eos kept only in special_tokens_map.json (older models' layout) reached the
+    template as empty strings; transformers reads them there."""
+    from transformers import AutoTokenizer
+
+    for name in os.listdir(resolve_model("tiny")):
+        shutil.copy(os.path.join(resolve_model("tiny"), name), tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    tokens = {name: config.pop(name) for name in ("bos_token", "eos_token") if name in config}
+    tokens.setdefault("bos_token", tokens["eos_token"])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(tokens))
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    want = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        messages, tokenize=False
+    )
+    assert want.startswith(tokens["bos_token"])
+    got = TextTools(str(tmp_path)).render_chat(messages, add_generation_prompt=False)
+    assert got == want
 
 
 def test_null_means_the_default() -> None:
