@@ -35,6 +35,7 @@ class Sequence:
     slot: int = -1
     block_ids: list[int] = field(default_factory=list)
     last_step: int = 0  # the last step that touched its slot and blocks
+    prompt_step: int = 0  # the step that computed its prompt's last token
     fork_parent: Sequence | None = None  # share the parent's prompt blocks when it has them
     # Prefix cache: the hash chain of its full blocks of known tokens (kept across
     # preemption: it depends on the tokens only), and how many of ``block_ids`` are in it.

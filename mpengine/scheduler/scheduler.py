@@ -442,12 +442,7 @@ class Scheduler:
             seq = self.seqs.get(seq_id)
             if seq is None:
                 continue
-            if (
-                reason != "abort"
-                and reason != "error"
-                and seq.request.beam_search
-                and not seq.finished
-            ):
+            if reason not in ("abort", "error") and seq.request.beam_search and not seq.finished:
                 # The beam step that ended the search decided one token per beam too; no
                 # continuation comes back for it (``_continue_beams`` counts the others).
                 self.counters["generated_tokens"] += 1
@@ -811,8 +806,12 @@ class Scheduler:
         parent = seq.fork_parent
         assert parent is not None
         prompt_len = seq.num_prompt_tokens
-        if parent.status is Status.RUNNING and parent.num_computed < prompt_len:
-            return False  # wait for the parent's prefill
+        if parent.status is Status.RUNNING and (
+            parent.num_computed < prompt_len or parent.prompt_step > self.done
+        ):
+            # Wait for the parent's prefill to have run: under async depth 1 this plan is
+            # built before its feedback, and a failed step leaves the blocks unwritten.
+            return False
         num_shared = (prompt_len - 1) // self.blocks.block_size
         if parent.status is Status.RUNNING:
             cost = FrameLimits.shared_table_bytes(num_shared)
@@ -929,6 +928,8 @@ class Scheduler:
                 token_ids.append(-1)
             seq.num_computed = end
             seq.last_step = step
+            if start < seq.num_prompt_tokens <= end:
+                seq.prompt_step = step
             self._register_computed(seq, step)
             if seq.request.pooling is not None:
                 if end == len(seq):  # the last chunk: the executor pools it

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpengine.config import EngineConfig
-from mpengine.protocol import AddRequest, Array, SamplingParams
+from mpengine.protocol import AddRequest, Array, Feedback, SamplingParams
 from mpengine.scheduler import BlockManager, RequestRejected, Scheduler
 from mpengine.testing.fake import FakeExecutor, FakeOutput, reference_generate
 
@@ -127,6 +127,37 @@ def test_n_samples_share_prompt_blocks(lag):
     expected = reference_generate(prompt, 6, EOS, VOCAB)  # the fake model is deterministic
     assert all(output.outputs[s] == expected for s in seq_ids)
     assert sched.blocks.num_free == sched.blocks.num_blocks
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_samples_fork_from_a_prompt_step_that_ran(fails):
+    """The other samples of an n > 1 request share its first sample's prompt blocks once
+    the step computing them has reported back: under async depth 1 the next plan is built
+    before that, and forked then, they read the blocks of a step that failed (never
+    written) and returned wrong tokens. When the first sample fails, they compute the
+    prompt themselves."""
+    sched = make_scheduler(num_blocks=64, block_size=4)
+    prompt = list(range(10, 30))
+    add(sched, "r", prompt, max_tokens=4, n=3)
+    first, *others = [s.seq_id for s in sched.requests["client", "r"].seqs]
+    plan1 = sched.schedule()
+    assert plan1 is not None and plan1.seq_ids.numpy().tolist() == [first]
+    plan2 = sched.schedule()  # (depth 1: before step 1's feedback)
+    assert plan2 is not None and plan2.seq_ids.numpy().tolist() == [first]
+    reason = ["error"] if fails else []
+    failed = [first] if fails else []
+    feedback = Feedback(
+        plan1.step,
+        Array.of([] if fails else [first], "int64"),
+        Array.of([] if fails else [7]),
+        failed,
+        reason,
+    )
+    plan3 = sched.schedule([feedback])
+    assert plan3 is not None
+    starts = dict(zip(plan3.seq_ids.numpy().tolist(), plan3.starts.numpy().tolist(), strict=True))
+    shared = (len(prompt) - 1) // 4 * 4
+    assert [starts[s] for s in others] == ([0, 0] if fails else [shared, shared])
 
 
 @pytest.mark.parametrize("lag", [0, 1])
