@@ -39,6 +39,8 @@ from mpengine.server.text import message_dicts
 async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     """The token ids of the rendered conversation."""
     extra = dict(body.chat_template_kwargs or {})
+    if body.tools:  # (with tool_choice "none": rendered, never parsed)
+        extra.setdefault("tools", body.tools)
     # As vLLM, chat_template_kwargs may say add_generation_prompt too, and win.
     explicit = "add_generation_prompt" in extra or "add_generation_prompt" in body.model_fields_set
     add_generation_prompt = bool(extra.pop("add_generation_prompt", body.add_generation_prompt))

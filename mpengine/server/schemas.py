@@ -275,10 +275,18 @@ class ChatCompletionRequest(SamplingFields):
     def misuse(self) -> tuple[str, str] | None:
         if self.chat_template is not None:
             return CHAT_TEMPLATE_REFUSED, "chat_template"
-        if self.tools:
-            return "tools are not supported", "tools"
         if self.tool_choice not in (None, "none"):
-            return "tool_choice needs tools, which are not supported", "tool_choice"
+            return (
+                f"tool_choice {self.tool_choice!r} needs a tool-call parser, which this server "
+                "has not: tool_choice 'none' renders the tools into the prompt only",
+                "tool_choice",
+            )
+        if self.tools and self.tool_choice is None:  # OpenAI's default with tools is "auto"
+            return (
+                "tools without tool_choice mean 'auto', which needs a tool-call parser this "
+                "server has not: give tool_choice 'none' to render the tools into the prompt",
+                "tool_choice",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs: true", "top_logprobs"
         if self.stream and self.prompt_logprobs is not None:

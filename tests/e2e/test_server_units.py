@@ -405,12 +405,41 @@ def test_constrained_outputs_are_refused_by_both_endpoints(fields: dict, param: 
     assert CompletionRequest(prompt="x", response_format={"type": "text"}).misuse() is None
 
 
-def test_tool_choice_needs_tools() -> None:
+def test_tools_are_rendered_with_tool_choice_none_only() -> None:
+    """No tool-call parser: tool_choice 'auto' (OpenAI's default with tools), 'required' or
+    a named function are refused; with 'none' the tools reach the template, as in vLLM (they
+    were refused then too)."""
     messages = [{"role": "user", "content": "x"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     assert ChatCompletionRequest(messages=messages, tool_choice="none").misuse() is None
-    assert ChatCompletionRequest(messages=messages, tool_choice="auto").misuse()[1] == "tool_choice"
-    tools = [{"type": "function", "function": {"name": "f"}}]
-    assert ChatCompletionRequest(messages=messages, tools=tools).misuse()[1] == "tools"
+    assert (
+        ChatCompletionRequest(messages=messages, tools=tools, tool_choice="none").misuse() is None
+    )
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+        body = ChatCompletionRequest(messages=messages, tools=tools, tool_choice=choice)
+        assert body.misuse()[1] == "tool_choice"
+    assert ChatCompletionRequest(messages=messages, tools=tools).misuse()[1] == "tool_choice"
+
+
+def test_tools_with_tool_choice_none_reach_the_template(tmp_path: Path) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from mpengine.server.chat import chat_prompt
+
+    for name in os.listdir(resolve_model("tiny")):
+        shutil.copy(os.path.join(resolve_model("tiny"), name), tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if tools %}{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% endif %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    state = SimpleNamespace(text=TextTools(str(tmp_path)))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice="none"
+    )
+    ids = asyncio.run(chat_prompt(state, body))
+    assert state.text.decode(ids) == "[get_weather]hi"
 
 
 def test_unknown_fields_are_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
