@@ -136,10 +136,16 @@ class _View:
         self.created = int(time.time())
         self.prompt = prompt
         self.num_top = num_top
-        # vLLM's ``echo``: an assistant turn the request ends with (continued with
-        # ``continue_final_message``) starts each choice's content.
+        # vLLM's reply role: the assistant's after a generation prompt, else the role of the
+        # final message (continued, or a turn the model completes). ``echo``: a final
+        # message of that role (continued with ``continue_final_message``) starts each
+        # choice's content.
+        kwargs = body.chat_template_kwargs or {}
+        prompted = kwargs.get("add_generation_prompt", body.add_generation_prompt)
+        prompted = bool(prompted) and not body.continue_final_message
+        self.role = "assistant" if prompted or not body.messages else body.messages[-1].role
         last = message_dicts(body.messages[-1:])[0] if body.echo and body.messages else None
-        self.echoed = last["content"] if last and last["role"] == "assistant" else ""
+        self.echoed = last["content"] if last and last["role"] == self.role else ""
 
     def _logprobs(self, token_ids: list[int], rows: list | None) -> ChatLogprobs | None:
         if not self.body.logprobs:
@@ -154,7 +160,7 @@ class _View:
         choices = [
             ChatChoice(
                 index,
-                AssistantMessage(self.echoed + sample.text),
+                AssistantMessage(self.echoed + sample.text, self.role),
                 self._logprobs(sample.token_ids, sample.logprobs),
                 sample.finish_reason,
                 sample.stop_reason,
@@ -200,7 +206,7 @@ class _View:
                 index = sample.index
                 if index not in generated:
                     generated[index] = 0
-                    role = ChatChunkChoice(index, ChatDelta("assistant", self.echoed), None, None)
+                    role = ChatChunkChoice(index, ChatDelta(self.role, self.echoed), None, None)
                     prompt_ids = self.prompt if ids and index == 0 else None
                     usage = self._usage(0) if continuous else None
                     yield self._chunk([role], prompt_token_ids=prompt_ids, usage=usage)

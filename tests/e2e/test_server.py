@@ -560,6 +560,17 @@ def test_chat_echo_starts_with_the_continued_assistant_turn(api: openai.OpenAI) 
         model="tiny", messages=messages[:1], max_tokens=2, temperature=0, extra_body={"echo": True}
     )
     assert not user_only.choices[0].message.content.startswith("Name a colour")
+    assert user_only.choices[0].message.role == "assistant"
+    # without a generation prompt the model completes the final turn: its role, echoed
+    completed = api.chat.completions.create(
+        model="tiny",
+        messages=messages[:1],
+        max_tokens=2,
+        temperature=0,
+        extra_body={"echo": True, "add_generation_prompt": False},
+    )
+    assert completed.choices[0].message.role == "user"
+    assert completed.choices[0].message.content.startswith("Name a colour.")
 
 
 def test_chat_prompt_logprobs_parts_and_tokenize_options(server: Served, ipc) -> None:
