@@ -62,6 +62,13 @@ def choose_backend(
             "triton attention needs a CUDA device (on the CPU its kernels only run under the "
             "interpreter, TRITON_INTERPRET=1, for tests)"
         )
+    if requested == "triton" and device.type != "cuda" and cache.dtype == torch.bfloat16:
+        # Its tl.dot multiplies bfloat16 inputs' bit patterns as integers (a 16 x 16 dot
+        # off by 1e10; triton-lang/triton#11584): the engine served nonsense, no error.
+        raise ValueError(
+            "triton attention under the interpreter cannot compute in bfloat16 (its tl.dot "
+            "is wrong there): use float32 or float16, or the torch backend, on the CPU"
+        )
     if requested == "native":
         if lib is None:
             raise ValueError("native attention needs its kernels, built with a C compiler")

@@ -593,3 +593,18 @@ def test_triton_kernels_compile_for_a_gpu() -> None:
     store |= {"slot_mapping_ptr": "*i64", "num_tokens": "i32"}
     constants = dict(NUM_KV_HEADS=8, HEAD_DIM=128, KV_HEADS_P2=8, HEAD_DIM_P2=128)
     build(module._store_kv_kernel, store, {**constants, "BLOCK_SIZE": 16, "TOKENS": 4})
+
+
+def test_triton_under_the_interpreter_refuses_bfloat16(monkeypatch) -> None:
+    """The interpreter's tl.dot is wrong for bfloat16 inputs (a 16 x 16 dot off by 1e10):
+    the engine served nonsense with no error. float32 and float16 run."""
+    from mpengine.executor.attention import choose_backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cpu = torch.device("cpu")
+    for dtype in (torch.float32, torch.float16):
+        cache = torch.empty((2, 2, 0, 16, 64), dtype=dtype)
+        assert choose_backend("triton", cpu, cache, 4) == "triton"
+    cache = torch.empty((2, 2, 0, 16, 64), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cannot compute in bfloat16"):
+        choose_backend("triton", cpu, cache, 4)
