@@ -275,6 +275,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config = config.resolve()
+        self._pid = os.getpid()  # a forked child's copy must not stop its parent's engine
         self.model: ModelInfo | None = None
         self.dead: str | None = None
         self._stopping = threading.Event()
@@ -430,6 +431,7 @@ class Engine:
         for callback in list(self._death_callbacks):
             callback(reason)
         self._stop_all(grace=0.5)
+        atexit.unregister(self.shutdown)  # stopped: nothing left for the exit hook to do
 
     def on_death(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` (from the supervisor thread) if a stage dies."""
@@ -476,12 +478,14 @@ class Engine:
     def shutdown(self, drain: bool = False, drain_timeout: float = DRAIN_TIMEOUT_S) -> None:
         """Stop the engine; with ``drain``, first let admitted requests finish for up to
         ``drain_timeout`` seconds (see ``drain``)."""
+        if os.getpid() != self._pid:  # a forked child exiting: the engine is its parent's
+            return
+        atexit.unregister(self.shutdown)  # (also after a stage died: the hook kept it alive)
         if self._stopping.is_set() and not self.processes:
             return
         if drain and self.dead is None and self.processes:
             self.drain(drain_timeout)
         self._stop_all()
-        atexit.unregister(self.shutdown)
 
     # -- drain ----------------------------------------------------------------------------
 

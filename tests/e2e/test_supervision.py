@@ -134,3 +134,33 @@ def test_a_ctrl_c_while_stopping_hurries_the_stop_and_still_cleans_up(start_engi
     assert signal.getsignal(signal.SIGINT) is previous
     assert not os.path.exists(engine.runtime_dir)
     assert not engine.processes and all(stage.exitcode is not None for stage in stages)
+
+
+def test_a_forked_child_leaves_its_parents_engine_alone(start_engine, tmp_path):
+    """A child of os.fork() that exits normally runs the exit hooks it inherited: the
+    engine's shutdown removed the parent's segments, runtime dir and socket files, and new
+    clients of the parent's engine waited out their timeout."""
+    engine = start_engine(
+        model="tiny", num_gpu_blocks_override=64, address=f"ipc://{tmp_path / 'ipc'}"
+    )
+    before = leftovers(engine.config.engine_id)
+    pid = os.fork()
+    if pid == 0:  # the child: exit as a normal exit would, then leave at once
+        try:
+            import atexit
+
+            atexit._run_exitfuncs()
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 30
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):  # (polls: no sleep decides anything)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child did not exit")
+        time.sleep(0.02)
+    assert leftovers(engine.config.engine_id) == before
+    assert os.path.isdir(engine.runtime_dir) and (tmp_path / "ipc" / "requests.sock").exists()
+    with mpengine.Client(engine.address, timeout=30) as client:
+        out = client.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert len(out.token_ids) == 2
