@@ -9,6 +9,8 @@ cannot start reports why in one line (an address in use says so plainly).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import errno
 import logging
 import os
@@ -89,6 +91,20 @@ def run_stage(
         control.failed(failure_message(exc))
         raise SystemExit(1) from None
     logger.info("%s stopped", stage)
+    exit_now()
+
+
+def exit_now() -> None:
+    """Leave without the interpreter's teardown: the stage's work is done and its threads
+    joined, and tearing down torch's and transformers' modules took 0.8 s of every engine
+    shutdown (0.95 -> 0.14 s for the tiny model). Exit hooks run and streams are flushed
+    first."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def failure_message(exc: BaseException) -> str:
