@@ -71,6 +71,7 @@ logger = logging.getLogger(__name__)
 C = TypeVar("C", Client, AsyncClient)
 
 STOP_GRACE_S = 5.0
+STARTUP_STOP_GRACE_S = 0.5
 LOCK_NAME = "engine.lock"
 IPC_FILES = ["requests.sock", "outputs.sock", ENGINE_FILE]  # what an engine puts in its ipc dir
 DRAIN_TIMEOUT_S = 30.0
@@ -313,8 +314,9 @@ class Engine:
             if self._ipc_dir is not None:  # how `mpengine stacks/top ADDRESS` find the stages
                 record = dict(pid=os.getpid(), runtime_dir=self.runtime_dir, stages=self.pids)
                 write_engine_file(self._ipc_dir, record)
-        except BaseException:
-            self._stop_all()
+        except BaseException:  # (Ctrl-C too: stages loading a model do not look at their
+            # stop flag, and have nothing to save; they waited out the whole grace period)
+            self._stop_all(grace=STARTUP_STOP_GRACE_S)
             raise
         self._supervisor = threading.Thread(target=self._supervise, name="mpengine-supervisor")
         self._supervisor.daemon = True
