@@ -73,6 +73,8 @@ C = TypeVar("C", Client, AsyncClient)
 STOP_GRACE_S = 5.0
 STARTUP_STOP_GRACE_S = 0.5
 LOCK_NAME = "engine.lock"
+LOCK_WAIT_S = 0.5  # for a reaper's brief hold of a dead engine's lock
+LOCK_POLL_S = 0.01
 IPC_FILES = ["requests.sock", "outputs.sock", ENGINE_FILE]  # what an engine puts in its ipc dir
 DRAIN_TIMEOUT_S = 30.0
 ABORT_GRACE_S = 5.0  # after a drain's deadline: for the aborted requests' final outputs
@@ -164,14 +166,21 @@ def lock_dir(directory: str) -> int:
     """
     path = os.path.join(directory, LOCK_NAME)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise EngineStartError(
-            f"address ipc://{directory} is in use: another engine serves it (it holds {path})"
-        ) from None
-    return fd
+    # A killed engine's reaper holds the lock for a moment while it removes the dead
+    # engine's socket files: an engine restarted at once waits that out.
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise EngineStartError(
+                    f"address ipc://{directory} is in use: another engine serves it (it holds "
+                    f"{path})"
+                ) from None
+            time.sleep(LOCK_POLL_S)
 
 
 _Job = tuple[Callable[[], subprocess.Popen[bytes]], Future[subprocess.Popen[bytes]]]

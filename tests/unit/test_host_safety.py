@@ -144,6 +144,23 @@ def test_lock_dir_admits_one_holder(tmp_path: Path) -> None:
     os.close(lock_dir(str(tmp_path)))  # released with the fd
 
 
+def test_lock_dir_waits_out_a_brief_hold(tmp_path: Path, monkeypatch) -> None:
+    """A killed engine's reaper holds the lock for a moment while it removes the socket
+    files: an engine restarted at that moment waits, not fails as "in use"."""
+    import sys
+
+    held = lock_dir(str(tmp_path))
+    waits = []
+
+    def release(seconds: float) -> None:  # the reaper lets go while the launcher waits
+        waits.append(seconds)
+        os.close(held)
+
+    monkeypatch.setattr(sys.modules["mpengine.launch"].time, "sleep", release)
+    os.close(lock_dir(str(tmp_path)))
+    assert len(waits) == 1
+
+
 # -- 6: the runtime-dir sweep -----------------------------------------------------------
 
 
