@@ -64,8 +64,7 @@ from mpengine.runtime.diagnose import ENGINE_FILE, write_engine_file
 from mpengine.runtime.stage import ABORT_SIGNAL, DRAIN_SIGNAL, STOP_SIGNAL
 from shm import Lockstep, Ring, sweep_stale
 from shm.reaper import Leftovers, Reaper, remove_ipc_files
-from shm.segment import PREFIX as SHM_PREFIX
-from shm.segment import pid_alive, pid_namespace
+from shm.segment import owner_prefix, pid_alive, pid_namespace
 
 logger = logging.getLogger(__name__)
 C = TypeVar("C", Client, AsyncClient)
@@ -351,7 +350,7 @@ class Engine:
         socket files if this process dies without stopping it (``shm/reaper.py``)."""
         leftovers = Leftovers(
             owner_pid=os.getpid(),
-            shm_prefix=f"{SHM_PREFIX}{self.config.engine_id}.{os.getpid()}-{pid_namespace()}.",
+            shm_prefix=owner_prefix(self.config.engine_id),
             title="mpengine: reaper",
             trees=[self.runtime_dir],
             locked_dir=self._ipc_dir if self._ipc_dir != self.runtime_dir else None,

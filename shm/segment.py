@@ -65,7 +65,14 @@ def make_name(engine_id: str, purpose: str, pid: int | None = None, ns: str | No
     ns = pid_namespace() if ns is None else ns
     if not _NS_TOKEN.fullmatch(ns):
         raise ValueError(f"ns {ns!r} must be 1-16 characters of [A-Za-z0-9]")
-    return f"/{PREFIX}{engine_id}.{os.getpid() if pid is None else pid}-{ns}.{purpose}"
+    return f"/{owner_prefix(engine_id, pid, ns)}{purpose}"
+
+
+def owner_prefix(engine_id: str, pid: int | None = None, ns: str | None = None) -> str:
+    """What the names of one owner's objects start with (a ``/dev/shm`` file name without
+    ``sem.``): ``mpe.<engine_id>.<pid>-<ns>.``."""
+    ns = pid_namespace() if ns is None else ns
+    return f"{PREFIX}{engine_id}.{os.getpid() if pid is None else pid}-{ns}."
 
 
 def _owner(name: str) -> tuple[int, str] | None:
