@@ -993,11 +993,12 @@ class _SyncRequest(_Request):
 
 
 class _BatchRequest(_Request):
-    """A request of a batch call: its deltas go, as ``(request, delta)``, to the batch's
-    one queue through ``put``."""
+    """The ``index``-th request of a batch call: its deltas go, as ``(request, delta)``, to
+    the batch's one queue through ``put``."""
 
-    def __init__(self, conn: _Connection, request: AddRequest, put: Sink) -> None:
+    def __init__(self, conn: _Connection, request: AddRequest, put: Sink, index: int) -> None:
         self.put = put
+        self.index = index
         super().__init__(conn, request, self._put)
 
     def _put(self, item: OutputDelta | BaseException) -> None:
@@ -1044,21 +1045,13 @@ async def _await_batch(
                 finished(request)
 
 
-def _embedding_callback(
-    requests: list[_BatchRequest], on_output: Callable[[int, EmbeddingOutput], object] | None
+def _reporting_embeddings(
+    on_output: Callable[[int, EmbeddingOutput], object] | None,
 ) -> Callable[[_BatchRequest], object] | None:
-    """``finished`` for ``_wait_batch``: ``on_output(index, embedding)`` of a finished
-    request of ``requests`` (which grows as the batch is submitted)."""
+    """``finished`` for ``_wait_batch``: ``on_output(index, embedding)``."""
     if on_output is None:
         return None
-    index: dict[int, int] = {}
-
-    def finished(request: _BatchRequest) -> None:
-        if len(index) < len(requests):
-            index.update((id(r), i) for i, r in enumerate(requests))
-        on_output(index[id(request)], request.assembly.embedding_output())
-
-    return finished
+    return lambda request: on_output(request.index, request.assembly.embedding_output())
 
 
 class _AsyncRequest(_Request):
@@ -1345,15 +1338,13 @@ class Client(_ClientBase):
         ``timeout`` seconds (for all of them) abort the unfinished and raise ``TimeoutError``.
         ``priority``: one for all, or one per prompt (lower runs first, when the engine
         schedules by priority)."""
-        requests: list[_BatchRequest] = []
-        self._run_many(
+        requests = self._run_many(
             lambda prompt, p, rid, prio: self._request(prompt, p, rid, priority=prio),
             prompts,
             _per_prompt(params, SamplingParams, len(prompts)),
             request_ids,
             timeout,
-            _priorities(priority, len(prompts)),
-            requests,
+            priority,
         )
         return [r.assembly.output for r in requests]
 
@@ -1386,16 +1377,14 @@ class Client(_ClientBase):
         input raises ``InvalidRequestError`` (the others are aborted). ``on_output(index,
         embedding)`` is called for each input as it finishes, in finishing order (progress
         of a long batch, or what was done when the call fails part-way)."""
-        requests: list[_BatchRequest] = []
-        self._run_many(
+        requests = self._run_many(
             self._embed_request,
             prompts,
             _per_prompt(params, PoolingParams, len(prompts)),
             request_ids,
             timeout,
-            _priorities(priority, len(prompts)),
-            requests,
-            _embedding_callback(requests, on_output),
+            priority,
+            _reporting_embeddings(on_output),
         )
         return [r.assembly.embedding_output() for r in requests]
 
@@ -1406,17 +1395,18 @@ class Client(_ClientBase):
         params: list,
         request_ids: Sequence[str | None] | None,
         timeout: float | None,
-        priorities: list[int],
-        requests: list[_BatchRequest],
+        priority: int | Sequence[int],
         finished: Callable[[_BatchRequest], object] | None = None,
-    ) -> None:
-        """Submit ``make(prompt, params, request id, priority)`` for every prompt, appending
-        to ``requests``; wait for all of them to finish (one deadline for all; each passed
-        to ``finished`` as it does); on any error or the deadline abort the unfinished."""
+    ) -> list[_BatchRequest]:
+        """Submit ``make(prompt, params, request id, priority)`` for every prompt; wait for
+        all of them to finish (one deadline for all; each passed to ``finished`` as it does)
+        and return them in order; on any error or the deadline abort the unfinished."""
         ids = request_ids or [None] * len(prompts)
         _check_counts(prompts, params, ids)
+        priorities = _priorities(priority, len(prompts))
         deadline = _Deadline(timeout)
         events: queue.SimpleQueue = queue.SimpleQueue()
+        requests: list[_BatchRequest] = []
         window, done = _Window(self.info), 0
         try:
             for prompt, p, rid, prio in zip(prompts, params, ids, priorities, strict=True):
@@ -1426,9 +1416,10 @@ class Client(_ClientBase):
                     window.pop_oldest()
                     done += 1
                 request.continues = done > 0
-                requests.append(_BatchRequest(self._conn, request, events.put))
+                requests.append(_BatchRequest(self._conn, request, events.put, len(requests)))
                 window.add(request)
             _wait_batch(events, requests[done:], deadline, finished)
+            return requests
         finally:
             for r in requests:
                 self._conn.forget(r.request_id)
@@ -1542,16 +1533,14 @@ class AsyncClient(_ClientBase):
         """Submit every input at once (so they batch); return the embeddings in order.
         ``on_output(index, embedding)`` is called for each input as it finishes, in finishing
         order (progress of a long batch, or what was done when the call fails part-way)."""
-        requests: list[_BatchRequest] = []
-        await self._run_many(
+        requests = await self._run_many(
             self._embed_request,
             prompts,
             _per_prompt(params, PoolingParams, len(prompts)),
             request_ids,
             timeout,
-            _priorities(priority, len(prompts)),
-            requests,
-            _embedding_callback(requests, on_output),
+            priority,
+            _reporting_embeddings(on_output),
         )
         return [r.assembly.embedding_output() for r in requests]
 
@@ -1568,15 +1557,13 @@ class AsyncClient(_ClientBase):
         ``timeout`` seconds (for all of them) abort the unfinished and raise ``TimeoutError``.
         ``priority``: one for all, or one per prompt (lower runs first, when the engine
         schedules by priority)."""
-        requests: list[_BatchRequest] = []
-        await self._run_many(
+        requests = await self._run_many(
             lambda prompt, p, rid, prio: self._request(prompt, p, rid, priority=prio),
             prompts,
             _per_prompt(params, SamplingParams, len(prompts)),
             request_ids,
             timeout,
-            _priorities(priority, len(prompts)),
-            requests,
+            priority,
         )
         return [r.assembly.output for r in requests]
 
@@ -1587,16 +1574,17 @@ class AsyncClient(_ClientBase):
         params: list,
         request_ids: Sequence[str | None] | None,
         timeout: float | None,
-        priorities: list[int],
-        requests: list[_BatchRequest],
+        priority: int | Sequence[int],
         finished: Callable[[_BatchRequest], object] | None = None,
-    ) -> None:
+    ) -> list[_BatchRequest]:
         """``Client._run_many`` on an event loop (the requests are made, texts tokenized,
         off it)."""
         ids = request_ids or [None] * len(prompts)
         _check_counts(prompts, params, ids)
+        priorities = _priorities(priority, len(prompts))
         deadline = _Deadline(timeout)
         events: asyncio.Queue = asyncio.Queue()
+        requests: list[_BatchRequest] = []
         put = _threadsafe_put(asyncio.get_running_loop(), events)
         window, done = _Window(self.info), 0
         try:
@@ -1615,9 +1603,10 @@ class AsyncClient(_ClientBase):
                     window.pop_oldest()
                     done += 1
                 request.continues = done > 0
-                requests.append(_BatchRequest(self._conn, request, put))
+                requests.append(_BatchRequest(self._conn, request, put, len(requests)))
                 window.add(request)
             await _await_batch(events, requests[done:], deadline, finished)
+            return requests
         finally:
             for r in requests:
                 r.cancel()

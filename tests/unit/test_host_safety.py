@@ -147,8 +147,6 @@ def test_lock_dir_admits_one_holder(tmp_path: Path) -> None:
 def test_lock_dir_waits_out_a_brief_hold(tmp_path: Path, monkeypatch) -> None:
     """A killed engine's reaper holds the lock for a moment while it removes the socket
     files: an engine restarted at that moment waits, not fails as "in use"."""
-    import sys
-
     held = lock_dir(str(tmp_path))
     waits = []
 
