@@ -438,16 +438,21 @@ class Scheduler:
             assert seq.num_inflight >= 0, f"seq {seq_id}: more tokens than planned"
         if len(feedback.beam_seq_ids):
             self._continue_beams(feedback)
+        # Requests the output stage aborted (a client gone, or not reading its outputs).
+        aborted: set[int] = set()
         for seq_id, reason in zip(feedback.finished_seq_ids, feedback.finish_reasons, strict=True):
             seq = self.seqs.get(seq_id)
             if seq is None:
                 continue
+            if reason == "abort" and not seq.finished:
+                aborted.add(seq.request.key)
             if reason not in ("abort", "error") and seq.request.beam_search and not seq.finished:
                 # The beam step that ended the search decided one token per beam too; no
                 # continuation comes back for it (``_continue_beams`` counts the others).
                 self.counters["generated_tokens"] += 1
             if not seq.finished:  # (a pooling sequence finished when its last chunk was planned)
                 self._finish(seq)
+        self.counters["aborted"] += len(aborted)
         self.done = max(self.done, feedback.step)
         self._release_done()
 

@@ -297,6 +297,7 @@ def test_a_client_that_stops_reading_is_cut_off_alone(start_engine, reference) -
             stats = wait_idle(client, timeout=120)
             assert stats.num_free_blocks == stats.num_blocks
             assert stats.finished >= 1 + len(outs)
+            assert stats.aborted == 1  # the flood, ended by the output stage
     finally:
         ctx.destroy(linger=0)
 

@@ -227,6 +227,22 @@ def test_abort_frees_blocks_at_next_safe_point():
     assert ("client", "a") not in sched.requests
 
 
+def test_requests_the_output_stage_aborts_count_as_aborted():
+    """A client gone (or not reading) has its requests ended by the output stage, which
+    reports their samples back as ``abort``: each request counts once, as the scheduler's
+    own aborts do."""
+    sched = make_scheduler()
+    add(sched, "two", [10, 11, 12], max_tokens=8, n=2)
+    add(sched, "one", [13, 14], max_tokens=8)
+    plan = sched.schedule()
+    assert plan is not None
+    dropped = [s.seq_id for s in sched.requests["client", "two"].seqs]
+    feedback = Feedback(plan.step, Array.of([], "int64"), Array.of([]), dropped, ["abort"] * 2)
+    sched.schedule([feedback])
+    assert sched.counters["aborted"] == 1
+    assert ("client", "two") not in sched.requests and ("client", "one") in sched.requests
+
+
 def test_abort_of_waiting_request_is_announced_then_aborted():
     sched = make_scheduler()
     add(sched, "w", [10, 11])
