@@ -8,6 +8,7 @@ OpenAI's error shape (which the ``openai`` package raises), followed by ``[DONE]
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -53,6 +54,11 @@ async def stream_response(
         try:
             async for data in chunks(first):
                 yield data
+                # Outputs that arrived together would go out without a suspension between
+                # them, so a connection lost at the first write would not be noticed (the
+                # server learns of it in a callback of the next loop turn): asyncio then
+                # logs "socket.send() raised exception." for each write past the fifth.
+                await asyncio.sleep(0)
         except APIError as exc:
             info = ErrorInfo(exc.message, error_type(exc.status), exc.param, exc.code or exc.status)
             yield event(ErrorResponse(info))

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -481,6 +482,47 @@ def test_a_long_chat_renders_in_a_worker_thread(monkeypatch: pytest.MonkeyPatch)
         (want,) = asyncio.run(text.encode([render(text.message_dicts(body.messages))], False))
         assert ids == want
     assert threads[0] is threading.main_thread() and threads[1] is not threading.main_thread()
+
+
+def test_a_stream_lets_the_loop_turn_between_chunks() -> None:
+    """Outputs that arrive together went out without a suspension between them, so a
+    connection lost at the first write was noticed (in a callback of the next loop turn)
+    only after the others: asyncio logged "socket.send() raised exception." for each past
+    the fifth. Each chunk now lets the loop run what is ready before the next one."""
+    from mpengine.server.sse import stream_response
+
+    class Generation:  # what stream_response uses of one
+        closed = False
+
+        async def next(self) -> tuple[int, None]:
+            return 0, None
+
+        async def close(self) -> None:
+            self.closed = True
+
+    async def chunks(first: object) -> AsyncIterator[bytes]:
+        for index in range(4):
+            yield b"chunk %d" % index  # (no await: all four are ready at once)
+
+    class Request:  # a client that stays connected
+        async def receive(self) -> dict:
+            await asyncio.Event().wait()
+            return {}
+
+    async def main() -> list[tuple[bytes, int]]:
+        generation = Generation()
+        response = await stream_response(Request(), generation, chunks)
+        loop = asyncio.get_running_loop()
+        turns = [0]
+        seen = []
+        async for data in response.body_iterator:
+            seen.append((data, turns[0]))
+            loop.call_soon(lambda: turns.__setitem__(0, turns[0] + 1))
+        assert generation.closed
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen == [(b"chunk %d" % index, index) for index in range(4)]
 
 
 def _stats(done: int, running: int) -> EngineStats:
