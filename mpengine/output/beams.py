@@ -7,7 +7,9 @@ the executor, ``K = max(2, 1 + #stop ids) * width``); this picks, as transformer
 continuations over all beams, the ``width`` best of those that do not stop (the running
 beams of the next step) and the finished hypotheses, with the length penalty and the
 early-stopping rule. Scores are float32, added and divided in the same order as there.
-Tokens live in one ``[width, max_tokens]`` array per request: no Python object per token.
+Tokens live in one ``[width, capacity]`` array per request (no Python object per token),
+the capacity doubling as the beams grow: a step costs what the beams hold, not what
+``max_tokens`` (all the context left, when unset) would allow.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 from mpengine.protocol import SamplingParams
 
 NEG = np.float32(-1.0e9)
+INITIAL_CAPACITY = 64  # tokens per beam, before the first doubling
 
 
 @dataclass(slots=True)
@@ -37,10 +40,11 @@ class BeamGroup:
         self.length_penalty = params.length_penalty
         self.early_stopping = params.early_stopping
         self.length = 0  # tokens generated so far by every running beam
-        self.tokens = np.zeros((width, max_tokens), np.int32)
+        capacity = min(max_tokens, INITIAL_CAPACITY)
+        self.tokens = np.zeros((width, capacity), np.int32)
         self.scores = np.full(width, NEG, np.float32)
         self.scores[0] = 0.0  # every beam starts from the prompt: count it once
-        self.finished_tokens = np.zeros((width, max_tokens), np.int32)
+        self.finished_tokens = np.zeros((width, capacity), np.int32)
         self.finished_lengths = np.zeros(width, np.int64)
         self.finished_scores = np.full(width, NEG, np.float32)
         self.is_finished = np.zeros(width, bool)
@@ -62,6 +66,8 @@ class BeamGroup:
         token (only meaningful while not ``done``)."""
         self._reported[:] = False
         width, k = self.width, self.num_candidates
+        if self.length == self.tokens.shape[1]:
+            self._grow()
         accumulated = (self.scores[:, None] + self._logprobs).reshape(-1)
         order = np.argsort(-accumulated, kind="stable")[:k]
         top_scores = accumulated[order]
@@ -106,6 +112,13 @@ class BeamGroup:
             or bool(stops.all())
         )
         return parents[keep], tokens[keep]
+
+    def _grow(self) -> None:
+        """Double the token arrays' capacity (up to ``max_tokens``)."""
+        capacity = min(self.max_tokens, 2 * self.tokens.shape[1])
+        pad = ((0, 0), (0, capacity - self.tokens.shape[1]))
+        self.tokens = np.pad(self.tokens, pad)
+        self.finished_tokens = np.pad(self.finished_tokens, pad)
 
     def _check_improvable(self) -> None:
         if self.early_stopping == "never" and self.length_penalty > 0.0:
