@@ -394,9 +394,13 @@ class OutputProcessor:
 
     def _best(self, request: _Request) -> list[Output]:
         """The ``n`` samples with the highest cumulative logprob, each as one final delta
-        (renumbered 0..n-1), the tokens of all samples counted on index 0's."""
+        (renumbered 0..n-1), the tokens of all samples counted on index 0's. Failed samples
+        rank last (with no tokens, their cumulative logprob is the highest there is)."""
         assert request.ranked is not None and request.msg.sampling is not None
-        ranked = sorted(request.ranked, key=lambda seq: -seq.cumulative_logprob)
+        ranked = sorted(
+            request.ranked,
+            key=lambda seq: (seq.held[-1].finish_reason == "error", -seq.cumulative_logprob),
+        )
         prompt_logprobs = next(
             (d.prompt_logprobs for s in ranked for d in s.held if d.prompt_logprobs), None
         )

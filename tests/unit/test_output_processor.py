@@ -462,6 +462,39 @@ def test_best_of_holds_every_sample_and_returns_the_n_most_likely(
     assert proc.num_unfinished == 0
 
 
+def test_best_of_ranks_a_failed_sample_last(proc: OutputProcessor, tok: Tokenizer) -> None:
+    """A sample that failed has no tokens, so its cumulative logprob (0.0) was the best:
+    best_of returned the error and dropped the samples that finished."""
+    params = SamplingParams(n=1, best_of=3, max_tokens=2, ignore_eos=True)
+    proc.announce(NewRequest("r", "c1", [1, 2, 3], 7, params, None, 100.0, 101.0))
+    ids = tok.encode("ab").ids[:1] * 2
+
+    def step(number: int, values: list[float], failed: list[int]) -> StepResult:
+        lp = Logprobs(
+            Array.of(ids),
+            Array.of(values, "float32"),
+            Array.of(np.zeros((2, 0)), "int32"),
+            Array.of(np.zeros((2, 0)), "float32"),
+        )
+        return StepResult(
+            number,
+            Array.of([2, 3], "int64"),
+            Array.of(ids),
+            logprobs=lp,
+            logprob_rows=Array.of([0, 1]),
+            failed_seq_ids=Array.of(failed, "int64"),
+            errors=["boom"] * len(failed),
+        )
+
+    proc.process(step(0, [-1.0, -0.5], failed=[1]))
+    feedback, out = proc.process(step(1, [-1.0, -2.0], failed=[]))
+    assert sorted(feedback.finished_seq_ids) == [2, 3]
+    ((_, delta),) = out
+    assert (delta.index, delta.finish_reason, delta.error) == (0, "length", None)
+    assert delta.cumulative_logprob == -2.0  # sample 2 (-2.0) over sample 3 (-2.5)
+    assert proc.num_unfinished == 0
+
+
 def test_an_error_processing_one_request_fails_that_request_only(
     proc: OutputProcessor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
