@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpengine.config import EngineConfig
-from mpengine.protocol import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from mpengine.protocol import MAX_BEAM_CANDIDATES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 RING_HEADER = 8
 ABORT_CHUNK_BYTES = 64 * 1024
@@ -38,7 +38,8 @@ _BLOCK_DELTA = 3 * 4  # slot, index, block id
 _SEQ_START = 48  # tag + slot, seq id, request key, sample index, flag
 _FRAME = 512  # tags, array headers, dtype names, step numbers
 _PARAMS = 512 + 9 * MAX_STOP_TOKEN_IDS  # RequestParams without the prompt
-_RESULT_ROW = 8 + 4 + 4 + 8 * MAX_LOGPROBS + 4  # seq id, token, logprob + top-N, row index
+# seq id, token, logprob + top-N (a beam's candidates, or logprobs asked for), row index
+_RESULT_ROW = 8 + 4 + 4 + 8 * max(MAX_LOGPROBS, MAX_BEAM_CANDIDATES) + 4
 _PROMPT_LOGPROB_ROW = 8 + 8 * MAX_LOGPROBS
 
 

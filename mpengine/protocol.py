@@ -52,6 +52,10 @@ MAX_STOP_TOTAL_CHARS = 16384  # the stop matcher's set-up is linear in this (~2 
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_LOGPROBS = 20
+# Continuations of one beam returned per beam step: (1 + the tokens that end a beam, at
+# least 2) x the width, as transformers weighs them (so that ``width`` remain once those
+# ending the beam are set aside).
+MAX_BEAM_CANDIDATES = 64
 MAX_N = 64
 INT32_MAX = 2**31 - 1
 # The executor divides float32 logits by the temperature and the repetition penalty: past
@@ -243,10 +247,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
             changes["logprobs"] = 0
         return msgspec.structs.replace(self, **changes) if changes else self
 
-    def for_beam_executor(self, num_candidates: int) -> SamplingParams:
-        """A beam's executor parameters: greedy, with the top ``num_candidates`` logprobs
-        (the output processor selects the continuations)."""
-        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, logprobs=num_candidates)
+    def for_beam_executor(self) -> SamplingParams:
+        """A beam's executor parameters: greedy (its top continuations come back as
+        logprobs, ``RequestParams.beam_candidates`` of them; the output processor selects
+        among them)."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0)
 
     @property
     def greedy(self) -> bool:
@@ -647,6 +652,8 @@ class RequestParams(msgspec.Struct, **_WIRE):
     pooling: PoolingParams | None = None
     # The whole prompt, only when prompt logprobs are asked for.
     prompt_token_ids: Array | None = None
+    # Beam search: the top continuations each step returns per beam, as logprobs.
+    beam_candidates: int = 0
 
 
 class SeqStart(msgspec.Struct, **_WIRE):

@@ -112,7 +112,10 @@ class SlotState:
         self.seeded[s] = p.seed is not None
         self.seed[s] = 0 if p.seed is None else (p.seed & 0x7FFF_FFFF_FFFF_FFFF)
         self.min_tokens[s] = p.min_tokens
-        self.logprobs[s] = -1 if p.logprobs is None else p.logprobs
+        if request.beam_candidates:
+            self.logprobs[s] = request.beam_candidates
+        else:
+            self.logprobs[s] = -1 if p.logprobs is None else p.logprobs
         self.suppressed_ids[s] = _suppressed_ids(p, self.eos_token_ids, self.vocab_size)
         self.has_bias[s] = bool(p.logit_bias)
         self.bias[s] = None

@@ -45,7 +45,7 @@ import numpy as np
 from mpengine.config import EngineConfig
 from mpengine.limits import ABORT_CHUNK_BYTES, MAX_RELEASED_PER_PLAN, FrameLimits
 from mpengine.protocol import (
-    MAX_LOGPROBS,
+    MAX_BEAM_CANDIDATES,
     AbortRequests,
     AddRequest,
     Announcement,
@@ -330,14 +330,17 @@ class Scheduler:
                         f"(0..{self.vocab_size - 1})"
                     )
         if sampling.use_beam_search:
-            num_candidates = sampling.beam_candidates(len(self._beam_stop_ids(sampling)))
-            if num_candidates > MAX_LOGPROBS:
-                per_beam = num_candidates // sampling.num_samples
+            num_stops = len(self._beam_stop_ids(sampling))
+            num_candidates = sampling.beam_candidates(num_stops)
+            limit = min(MAX_BEAM_CANDIDATES, self.vocab_size)
+            if num_candidates > limit:
+                width = sampling.num_samples
+                per_beam = num_candidates // width
                 raise RequestRejected(
-                    f"sampling.beam_width: {sampling.num_samples} beams (the beam width, n or "
-                    f"best_of) are too many for this model: at most {MAX_LOGPROBS // per_beam} "
-                    f"(each beam weighs {per_beam} continuations per step, at most "
-                    f"{MAX_LOGPROBS} in all)"
+                    f"sampling.beam_width: {width} beams weigh {num_candidates} continuations "
+                    f"a step, at most {limit}: {per_beam} per beam, one more than the "
+                    f"{num_stops} tokens that end a beam (EOS and stop_token_ids), at least "
+                    f"2. At most {limit // per_beam} beams with these, or fewer stop_token_ids"
                 )
         if sampling.num_samples > self.max_num_seqs:
             if sampling.use_beam_search:
@@ -891,6 +894,11 @@ class Scheduler:
                     prompt_token_ids=(
                         Array.of(request.prompt_token_ids) if request.sends_prompt else None
                     ),
+                    beam_candidates=(
+                        sampling.beam_candidates(len(self._beam_stop_ids(sampling)))
+                        if sampling is not None and sampling.use_beam_search
+                        else 0
+                    ),
                 )
             )
         # Prompt logprobs come from sample 0's prefill (again after a preemption before its
@@ -904,8 +912,7 @@ class Scheduler:
         if sampling is None:
             return None
         if sampling.use_beam_search:
-            candidates = sampling.beam_candidates(len(self._beam_stop_ids(sampling)))
-            return sampling.for_beam_executor(candidates)
+            return sampling.for_beam_executor()
         return sampling.for_executor()
 
     def _plan(

@@ -31,8 +31,13 @@ def hf_model(name: str):
     return AutoModelForCausalLM.from_pretrained(resolve_model(name)).eval()
 
 
-def hf_beams(name: str, prompt: list[int], width: int, n: int, penalty: float, early) -> tuple:
+def hf_beams(
+    name: str, prompt: list[int], width: int, n: int, penalty: float, early, stops=()
+) -> tuple:
     model = hf_model(name)
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    eos += stops
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
@@ -45,11 +50,10 @@ def hf_beams(name: str, prompt: list[int], width: int, n: int, penalty: float, e
             length_penalty=penalty,
             early_stopping=early,
             pad_token_id=model.generation_config.pad_token_id or 0,
+            eos_token_id=eos,
             return_dict_in_generate=True,
             output_scores=True,
         )
-    eos = model.generation_config.eos_token_id
-    eos = {eos} if isinstance(eos, int) else set(eos or [])
     sequences = []
     for row in out.sequences[:, len(prompt) :].tolist():
         end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
@@ -121,14 +125,37 @@ def test_beam_search_is_not_streamed_and_is_checked(engine):
         for bad in ({"stop": ["x"]}, {"logprobs": 1}, {"n": 3}):
             with pytest.raises(ValueError, match="beam"):
                 SamplingParams(max_tokens=4, use_beam_search=True, beam_width=2, **bad).validate()
-        # Too wide for the 20 continuations a step returns: the limit, in beams.
-        wide = SamplingParams(max_tokens=4, use_beam_search=True, beam_width=11)
-        with pytest.raises(InvalidRequestError, match=r"11 beams .* at most 10 "):
+        # Too wide for the 64 continuations a step returns: the limit, in beams.
+        wide = SamplingParams(max_tokens=4, use_beam_search=True, beam_width=33, n=1)
+        with pytest.raises(InvalidRequestError, match=r"33 beams .* At most 32 beams"):
             client.generate([1, 2, 3], wide, timeout=TIMEOUT)
         # Still serving, and the blocks all came back.
         assert client.generate([1, 2, 3], beams, timeout=TIMEOUT).outputs[0].token_ids
         stats = wait_idle(client)
         assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_stop_token_ids_end_beams_as_more_eos_tokens(engine):
+    """Each token that ends a beam adds a continuation per beam and step (transformers
+    keeps ``(1 + #eos) x width``): with 20 in all, 8 beams took no stop_token_ids at all."""
+    name, eng = engine
+    prompt = PROMPTS[0]
+    plain, _ = hf_beams(name, prompt, 8, 8, 0.0, False)
+    stops = sorted({row[2] for row in plain})[:4]  # (no length penalty: short ones win)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS,
+        use_beam_search=True,
+        beam_width=8,
+        n=4,
+        length_penalty=0.0,
+        stop_token_ids=stops,
+    )
+    with eng.client(timeout=TIMEOUT) as client:
+        out = client.generate(prompt, params, timeout=TIMEOUT)
+    sequences, scores = hf_beams(name, prompt, 8, 4, 0.0, False, stops)
+    assert any(len(s) < MAX_TOKENS for s in sequences)  # the stops did end beams
+    assert [o.token_ids for o in out.outputs] == sequences
+    assert [o.cumulative_logprob for o in out.outputs] == pytest.approx(scores, abs=1e-5)
 
 
 def test_beams_beside_a_long_recompute_do_not_livelock(start_engine):
