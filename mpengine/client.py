@@ -41,6 +41,7 @@ import itertools
 import logging
 import os
 import queue
+import select
 import threading
 import time
 import uuid
@@ -107,6 +108,9 @@ _MONITOR_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+# A client made by a launcher in this process, seeing the engine close its connection,
+# waits this long for the launcher's word on why (a stage's error) before a generic one.
+LAUNCHER_WORD_S = 1.0
 HELLO_RETRY_S = 0.1  # the first wait for a hello's answer before connecting again
 HELLO_SEND_POLL_S = 0.01  # how often a hello no connection takes yet is tried again
 HELLO_RETRY_MAX_S = 2.0
@@ -619,6 +623,7 @@ class _Connection:
         self._lock = threading.Lock()  # guards _ending and the wake pipe
         self._ending: tuple[type[Exception], str] | None = None  # set once: no more sends
         self._abandoned = False
+        self.supervised = False  # a launcher in this process calls engine_died
         self._pid = os.getpid()
         deadline = _Deadline(timeout)
         hello = encoder.encode(Hello(self.client_id))
@@ -780,6 +785,8 @@ class _Connection:
             if (requests.monitor in events and requests.disconnected()) or (
                 outputs.monitor in events and outputs.disconnected()
             ):
+                if self.supervised and self._ending is None:
+                    select.select([self._wake_r], [], [], LAUNCHER_WORD_S)  # engine_died
                 self._end(EngineDeadError, "the engine closed its connection (it stopped or died)")
             self._flush()  # aborts of requests whose delivery failed
 

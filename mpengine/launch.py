@@ -434,6 +434,8 @@ class Engine:
         name = sentinels[ready[0]]
         code = self.processes[name].exitcode
         reason = f"the {name} stage died (exit code {code})"
+        if (message := self._failure_of(name)) is not None:
+            reason += f": {message}"
         self.dead = reason
         logger.error("%s: stopping the engine", reason)
         for client in list(self._clients):
@@ -442,6 +444,16 @@ class Engine:
             callback(reason)
         self._stop_all(grace=0.5)
         atexit.unregister(self.shutdown)  # stopped: nothing left for the exit hook to do
+
+    def _failure_of(self, stage: str) -> str | None:
+        """What a stage that raised reported before it left (None when it was killed)."""
+        conn = self.processes[stage].conn
+        with contextlib.suppress(EOFError, OSError, msgspec.DecodeError):
+            while conn.poll(0):
+                msg = control_decoder().decode(conn.recv_bytes())
+                if isinstance(msg, StageFailed):
+                    return msg.message
+        return None
 
     def on_death(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` (from the supervisor thread) if a stage dies."""
@@ -482,6 +494,7 @@ class Engine:
             raise EngineDeadError("the engine was shut down")
         token = auth_token if auth_token is not None else self.config.auth_token
         client = kind(self.address, timeout=timeout, client_id=client_id, auth_token=token)
+        client._conn.supervised = True
         self._clients.add(client)
         return client
 
@@ -495,6 +508,8 @@ class Engine:
             return
         if drain and self.dead is None and self.processes:
             self.drain(drain_timeout)
+        for client in list(self._clients):  # (before they see the engine's sockets close)
+            client._engine_died("the engine was shut down")
         self._stop_all()
 
     # -- drain ----------------------------------------------------------------------------

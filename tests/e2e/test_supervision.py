@@ -164,3 +164,54 @@ def test_a_forked_child_leaves_its_parents_engine_alone(start_engine, tmp_path):
     with mpengine.Client(engine.address, timeout=30) as client:
         out = client.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
         assert len(out.token_ids) == 2
+
+
+# Loaded by every interpreter the test starts (stages, reaper) through PYTHONPATH: makes
+# the scheduler's Nth plan raise, and notes whether the interpreter's teardown ran.
+RAISING_SCHEDULER = """
+import os, sys
+
+_at = int(os.environ.get("MPENGINE_TEST_RAISE_AT", "0"))
+if _at and sys.argv[1:2] in (["scheduler"], ["engine"]):
+    import mpengine.scheduler.scheduler as module
+
+    _schedule = module.Scheduler.schedule
+    _calls = [0]
+
+    def schedule(self, *args, **kwargs):
+        _calls[0] += 1
+        if _calls[0] == _at:
+            raise RuntimeError("planted scheduler failure")
+        return _schedule(self, *args, **kwargs)
+
+    module.Scheduler.schedule = schedule
+
+    class _Teardown:  # collected only when the interpreter tears its modules down
+        def __del__(self, path=os.environ["MPENGINE_TEST_TEARDOWN"], open=open):
+            open(path, "a").write("teardown\\n")  # (builtins are gone by then)
+
+    _teardown = _Teardown()
+"""
+
+
+@pytest.mark.parametrize("runtime", ["processes", "threads"])
+def test_a_stage_that_raises_fails_requests_and_leaves_at_once(
+    runtime, start_engine, tmp_path, monkeypatch
+):
+    """An exception in a stage's loop fails every request with EngineDeadError naming the
+    error, and the stage leaves without the interpreter's teardown: with torch loaded that
+    took 2-3 s, during which the launcher did not know the engine was dead."""
+    (tmp_path / "sitecustomize.py").write_text(RAISING_SCHEDULER)
+    marker = tmp_path / "teardown"
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{path}" if path else str(tmp_path))
+    monkeypatch.setenv("MPENGINE_TEST_RAISE_AT", "30")
+    monkeypatch.setenv("MPENGINE_TEST_TEARDOWN", str(marker))
+    engine = start_engine(model="tiny", num_gpu_blocks_override=64, runtime=runtime)
+    stage = "scheduler" if runtime == "processes" else "engine"
+    failure = pytest.raises(mpengine.EngineDeadError, match="planted scheduler failure")
+    with engine.client(timeout=60) as client, failure:
+        client.generate([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+    assert engine.stopped.wait(30), "the supervisor did not stop the engine"
+    assert engine.dead and f"{stage} stage died (exit code 1)" in engine.dead
+    assert not marker.exists(), "the failed stage tore its interpreter down"
