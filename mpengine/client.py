@@ -66,6 +66,7 @@ from mpengine.errors import (
 )
 from mpengine.protocol import (
     INT32_MAX,
+    MAX_REQUEST_ID,
     Abort,
     AddRequest,
     Array,
@@ -608,6 +609,11 @@ class _Connection:
     Caller side (any thread): ``submit``, ``send``, ``abort``, ``query``, ``close``.
     Everything a caller sends goes through the outbox; only the I/O thread touches sockets.
     ``abandon`` (the client object's finalizer) only sets a flag.
+
+    The engine knows each submission by a wire id of its own (the caller's id and a
+    number): a caller that gave up on a request may reuse its id at once, while the engine
+    still ends the old one (whose late outputs find no receiver), and an id is free again
+    as soon as its request finished here, before the engine has let it go.
     """
 
     def __init__(
@@ -615,7 +621,9 @@ class _Connection:
     ) -> None:
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.address = connectable(address)
-        self.sinks: dict[str, Sink] = {}  # request id -> where its deltas go
+        self.sinks: dict[str, Sink] = {}  # wire id -> where its deltas go
+        self.live: dict[str, str] = {}  # caller's request id -> wire id, until it ends here
+        self._wire_ids = itertools.count()
         self.queries: dict[int, Sink] = {}  # query id -> where the reply goes
         self.dead: str | None = None  # why the engine is gone, once it is
         self._query_ids = itertools.count()
@@ -685,26 +693,41 @@ class _Connection:
         with self._lock:
             self._enqueue((frame,))
 
-    def submit(self, request: AddRequest, sink: Sink) -> None:
-        """Send a request; its deltas (or an exception) will be passed to ``sink``."""
-        frame = self._encode(request)
+    def submit(self, request: AddRequest, sink: Sink) -> str:
+        """Send a request; its deltas (or an exception) will be passed to ``sink``. Returns
+        its wire id."""
+        request_id = request.request_id
+        wire_id = f"{request_id}#{next(self._wire_ids)}"
+        frame = self._encode(msgspec.structs.replace(request, request_id=wire_id))
         with self._lock:
-            if request.request_id in self.sinks:
-                raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-            self.sinks[request.request_id] = sink  # before the frame can go out
+            if request_id in self.live:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self.live[request_id] = wire_id
+            self.sinks[wire_id] = sink  # before the frame can go out
             try:
                 self._enqueue((frame,))
             except BaseException:
-                del self.sinks[request.request_id]
+                del self.sinks[wire_id], self.live[request_id]
                 raise
+        return wire_id
 
-    def forget(self, request_id: str) -> None:
-        """Deliver nothing more for this request."""
-        self.sinks.pop(request_id, None)
+    def forget(self, request_id: str, wire_id: str) -> None:
+        """Deliver nothing more for this request; its id is free again."""
+        with self._lock:
+            self.sinks.pop(wire_id, None)
+            if self.live.get(request_id) == wire_id:
+                del self.live[request_id]
+
+    def abort_live(self, request_ids: Sequence[str]) -> None:
+        """Abort the requests running under these ids of the caller's (unknown ones, and
+        those already ended, are ignored)."""
+        with self._lock:
+            wire_ids = [w for r in request_ids if (w := self.live.get(r)) is not None]
+        self.abort(wire_ids)
 
     def abort(self, request_ids: Sequence[str]) -> None:
-        """Abort these requests on the engine (in frames of bounded size; their final
-        deltas still come); nothing to do once the connection is closed."""
+        """Abort these requests (wire ids) on the engine (in frames of bounded size; their
+        final deltas still come); nothing to do once the connection is closed."""
         if request_ids:
             with self._lock:
                 if self._ending is None:
@@ -864,7 +887,7 @@ class _Connection:
         if sink is not None and not self._call(sink, item):
             # Nobody can receive this request's outputs (its event loop is closed...).
             logger.warning("client %s: aborting request %r", self.client_id, request_id)
-            self.sinks.pop(request_id, None)
+            self.forget(request_id.rpartition("#")[0], request_id)
             self._outbox.extend(abort_frames([request_id], self.abort_chunk_bytes))
 
     def _call(self, sink: Sink, item: object) -> bool:
@@ -954,7 +977,7 @@ class _Request:
         self.request_id = request.request_id
         self.assembly = _Assembly(request)
         self.failed = False
-        conn.submit(request, sink)
+        self.wire_id = conn.submit(request, sink)
 
     @property
     def finished(self) -> bool:
@@ -968,17 +991,18 @@ class _Request:
     def _take(self, item: OutputDelta | BaseException) -> RequestOutput:
         if isinstance(item, BaseException):
             self.failed = True
+            self.conn.forget(self.request_id, self.wire_id)
             raise item
         delta = self.assembly.add(item)
         if delta.finished:
-            self.conn.forget(self.request_id)
+            self.conn.forget(self.request_id, self.wire_id)
         return delta
 
     def cancel(self) -> None:
         """The caller stopped waiting: forget the request, abort it if still running."""
-        self.conn.forget(self.request_id)
+        self.conn.forget(self.request_id, self.wire_id)
         if self.open:
-            self.conn.abort([self.request_id])
+            self.conn.abort([self.wire_id])
 
 
 class _SyncRequest(_Request):
@@ -1240,6 +1264,10 @@ class _ClientBase:
         """``request_id``, or a fresh one of this client's when None (or empty)."""
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, not {type(request_id).__name__}")
+        if request_id is not None and len(request_id) > MAX_REQUEST_ID:
+            raise InvalidRequestError(
+                f"request_id: at most {MAX_REQUEST_ID} characters, got {len(request_id)}"
+            )
         return request_id or f"{self.client_id}-{next(self._ids)}"
 
     def _embed_request(
@@ -1270,7 +1298,7 @@ class _ClientBase:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its output finishes with reason ``abort``."""
-        self._conn.abort([request_id])
+        self._conn.abort_live([request_id])
 
     def close(self) -> None:
         """Abort this client's pending requests (their callers get ``ClientClosedError``)
@@ -1429,8 +1457,8 @@ class Client(_ClientBase):
             return requests
         finally:
             for r in requests:
-                self._conn.forget(r.request_id)
-            self._conn.abort([r.request_id for r in requests if r.open])
+                self._conn.forget(r.request_id, r.wire_id)
+            self._conn.abort([r.wire_id for r in requests if r.open])
 
     def stats(self, timeout: float = 10.0) -> EngineStats:
         """The scheduler's counters: queues, free blocks, preemptions..."""

@@ -70,7 +70,9 @@ _ITEMSIZE = {"int32": 4, "int64": 8, "float16": 2, "float32": 4, "bool": 1}
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosInt = Annotated[int, Meta(ge=1)]
 Int32 = Annotated[int, Meta(ge=0, le=INT32_MAX)]
-Id = Annotated[str, Meta(min_length=1, max_length=256)]
+MAX_REQUEST_ID = 256  # characters of a caller's request id
+# On the wire, a client's number for the submission follows the caller's id ("#12").
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID + 24)]
 FinishReason = Literal["stop", "length", "abort", "error"]
 Pooling = Literal["last", "mean", "cls"]
 

@@ -61,6 +61,11 @@ def final_delta(request_id: str) -> bytes:
     return encoder.encode(OutputBatch([delta]))
 
 
+def caller_id(wire_id: str) -> str:
+    """The caller's request id in a client's wire id ("ID#N")."""
+    return wire_id.rpartition("#")[0]
+
+
 class FakeEngine:
     """Answers ``Hello`` (with ``hello_reply`` if given, ``"ignore"``: not at all) and, if
     ``answer_stats``, ``StatsQuery``; ``respond(request)`` returns the frames to send for an
@@ -155,7 +160,8 @@ class FakeEngine:
             )
 
     def aborted(self) -> set[str]:
-        return {i for m in self.received if isinstance(m, Abort) for i in m.request_ids}
+        """The caller's ids of the requests aborted (the wire ids without their number)."""
+        return {caller_id(i) for m in self.received if isinstance(m, Abort) for i in m.request_ids}
 
     def close(self) -> None:
         self.stop.set()
@@ -226,10 +232,10 @@ def test_unanswered_hello_times_out_naming_client_id(fake):
 
 def test_io_thread_survives_bad_frames_and_failing_receivers(fake):
     def respond(request: AddRequest) -> list[tuple[str, bytes]]:
-        rid = request.request_id
-        if rid == "garbage-first":  # undecodable bytes on both sockets, then the answer
+        rid = request.request_id  # (the wire id: the engine's outputs name it)
+        if caller_id(rid) == "garbage-first":  # undecodable bytes on both sockets, then the answer
             return [("out", b"\xc1\x00garbage"), ("req", b"\xff"), ("out", final_delta(rid))]
-        if rid == "bad-batch":  # msgpack that fails validation: only this request fails
+        if caller_id(rid) == "bad-batch":  # msgpack that fails validation: only this request fails
             return [("out", msgspec.msgpack.encode(["OutputBatch", [["OutputDelta", rid, "?"]]]))]
         return [("out", final_delta(rid))]
 
@@ -525,6 +531,30 @@ def test_timeouts_abort_on_the_engine(client):
                 await aclient.generate([1, 2, 3], LONG, timeout=0.5)
 
     asyncio.run(asyncio.wait_for(main(), ASYNC_LIMIT_S))
+    assert_idle(client)
+
+
+def test_a_request_id_is_free_again_once_its_caller_is_done(client):
+    """A retry under the id of a request that timed out got that request's late final
+    output (``abort``, its tokens), and the retry ran on unread; an id reused right after
+    its request finished was refused now and then, the engine not having let it go yet.
+    Each submission now has its own id on the wire."""
+    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = client.generate([7, 8, 9], short, timeout=30).token_ids
+    for trial in range(5):
+        with pytest.raises(TimeoutError):
+            client.generate([1, 2, 3], LONG, request_id="retried", timeout=0.05 * trial)
+        out = client.generate([7, 8, 9], short, request_id="retried", timeout=30)
+        assert (out.request_id, out.finish_reason, out.token_ids) == ("retried", "length", want)
+    for _ in range(50):
+        out = client.generate([7, 8], SamplingParams(max_tokens=1), request_id="again")
+        assert out.finished and out.request_id == "again"
+    stream = client.stream([1, 2, 3], LONG, request_id="running")
+    next(stream)
+    with pytest.raises(mpengine.InvalidRequestError, match="'running' is already in use"):
+        client.generate([1, 2], short, request_id="running", timeout=30)
+    client.abort("running")  # the caller's id reaches the request running under it
+    assert [o.finish_reason for o in stream][-1] == "abort"
     assert_idle(client)
 
 
