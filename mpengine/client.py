@@ -42,6 +42,7 @@ import logging
 import os
 import queue
 import select
+import sys
 import threading
 import time
 import uuid
@@ -407,16 +408,22 @@ def abort_frames(request_ids: Iterable[str], max_bytes: int = ABORT_CHUNK_BYTES)
 
 
 class _Deadline:
-    """A point in time some call must finish by (none when ``timeout`` is None)."""
+    """A point in time some call must finish by (none when ``timeout`` is None, or longer
+    than a thread can wait: ``math.inf`` is no deadline either)."""
 
     __slots__ = ("at", "timeout")
 
     def __init__(self, timeout: float | None) -> None:
         self.timeout = timeout
-        self.at = None if timeout is None else time.monotonic() + timeout
+        never = timeout is None or timeout >= threading.TIMEOUT_MAX
+        self.at = None if never else time.monotonic() + timeout
 
     def remaining(self) -> float | None:
         return None if self.at is None else max(0.0, self.at - time.monotonic())
+
+    @property
+    def passed(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
 
     def error(self, what: str) -> TimeoutError:
         return TimeoutError(f"{what} within {self.timeout:g} s")
@@ -505,8 +512,9 @@ class _Dealer:
         retry_s, retry_at = HELLO_RETRY_S, time.monotonic() + HELLO_RETRY_S
         while True:
             remaining = deadline.remaining()
-            assert remaining is not None
-            if remaining <= 0:
+            if remaining is None:  # (no deadline: retry until an engine answers)
+                remaining = HELLO_RETRY_MAX_S
+            elif remaining <= 0:
                 raise ConnectionError(
                     f"no answer from an engine at {self.address} within {deadline.timeout:g} s:"
                     " is it running there? (An engine also ignores a connection whose client_id"
@@ -937,6 +945,11 @@ async def _within(awaitable: Any, deadline: _Deadline, what: str) -> Any:
     if remaining is None:
         return await awaitable
     try:
+        if sys.version_info >= (3, 11):
+            # (wait_for before 3.12 loses a cancellation of the caller that comes in the
+            # loop turn its awaitable finishes in: the caller then ran on to the end.)
+            async with asyncio.timeout(remaining):
+                return await awaitable
         return await asyncio.wait_for(awaitable, remaining)
     except asyncio.TimeoutError:
         raise deadline.error(what) from None
@@ -952,7 +965,7 @@ def _query(conn: _Connection, make: Callable[[int], msgspec.Struct], timeout: fl
     replies: queue.SimpleQueue = queue.SimpleQueue()
     query_id = conn.query(make, replies.put)
     try:
-        return _unwrap(replies.get(timeout=timeout))
+        return _unwrap(replies.get(timeout=_Deadline(timeout).remaining()))
     except queue.Empty:
         raise _Deadline(timeout).error(f"no reply to {make.__name__}") from None
     finally:
@@ -1341,6 +1354,8 @@ class Client(_ClientBase):
         request = _SyncRequest(self._conn, add)
         try:
             while not request.finished:
+                if deadline.passed:  # (a reader slower than the engine always finds one)
+                    raise deadline.error(f"request {request.request_id!r} aborted: not finished")
                 yield request.next(deadline)
         finally:
             request.cancel()
@@ -1517,6 +1532,8 @@ class AsyncClient(_ClientBase):
         request = await self._arequest(prompt, params, request_id, True, priority)
         try:
             while not request.finished:
+                if deadline.passed:  # (a reader slower than the engine always finds one)
+                    raise deadline.error(f"request {request.request_id!r} aborted: not finished")
                 yield await request.next(deadline)
         finally:
             request.cancel()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import os
 import queue
 import re
@@ -556,6 +557,59 @@ def test_a_request_id_is_free_again_once_its_caller_is_done(client):
     client.abort("running")  # the caller's id reaches the request running under it
     assert [o.finish_reason for o in stream][-1] == "abort"
     assert_idle(client)
+
+
+def test_a_stream_times_out_for_a_reader_slower_than_the_engine(client):
+    """A reader slower than the engine always found a delta waiting, so a stream's
+    ``timeout`` never fired (sync); each step now checks the deadline first."""
+
+    def slow_reader() -> None:  # (the sleep is the slow reader, not a synchronisation)
+        for _ in client.stream([1, 2, 3], LONG, timeout=0.3):
+            time.sleep(0.4)
+
+    with pytest.raises(TimeoutError, match=r"within 0\.3 s"):
+        slow_reader()
+
+    async def main() -> None:
+        async with mpengine.AsyncClient(client.info.request_address) as aclient:
+            with pytest.raises(TimeoutError, match=r"within 0\.3 s"):
+                async for _ in aclient.stream([1, 2, 3], LONG, timeout=0.3):
+                    await asyncio.sleep(0.4)
+
+    asyncio.run(asyncio.wait_for(main(), ASYNC_LIMIT_S))
+    assert_idle(client)
+
+
+def test_a_cancelled_call_with_a_timeout_stops(client):
+    """``asyncio.wait_for`` before Python 3.12 drops a cancellation that comes in the loop
+    turn its awaitable finishes in: a cancelled ``generate(timeout=...)`` ran on to the
+    end about one time in five, for a caller that had given up."""
+
+    async def main() -> int:
+        finished = 0
+        async with mpengine.AsyncClient(client.info.request_address) as aclient:
+            for trial in range(40):
+                task = asyncio.ensure_future(aclient.generate([1, 2, 3], LONG, timeout=60))
+                async for _ in aclient.stream([4, 5], SamplingParams(max_tokens=1 + trial % 7)):
+                    pass  # (some of the engine's steps: the cancel lands at varied moments)
+                task.cancel()
+                try:
+                    await task
+                    finished += 1
+                except asyncio.CancelledError:
+                    pass
+        return finished
+
+    assert asyncio.run(asyncio.wait_for(main(), 4 * ASYNC_LIMIT_S)) == 0
+    assert_idle(client)
+
+
+def test_no_deadline_is_an_infinite_timeout(engine):
+    with mpengine.Client(engine.address, timeout=math.inf) as client:
+        short = SamplingParams(max_tokens=2)
+        assert client.generate([1, 2], short, timeout=math.inf).finished
+        assert client.generate([1, 2], short, timeout=1e12).finished
+        assert client.stats(timeout=math.inf).num_blocks
 
 
 def test_a_refused_prompt_of_a_batch_raises_at_once_and_aborts_the_rest(client):
