@@ -611,6 +611,19 @@ class _Dealer:
 # -- the connection and its I/O thread --------------------------------------------------------
 
 
+# Objects whose locks a forked child makes anew: a lock that another thread of the parent
+# held at the fork stays held in the child forever (its use there must fail, not hang).
+_after_fork: weakref.WeakSet = weakref.WeakSet()
+
+
+def _reinit_locks() -> None:
+    for obj in list(_after_fork):
+        obj._new_locks()
+
+
+os.register_at_fork(after_in_child=_reinit_locks)
+
+
 class _Connection:
     """Both dealers of one client and the I/O thread that owns them.
 
@@ -637,6 +650,7 @@ class _Connection:
         self._query_ids = itertools.count()
         self._outbox: deque[bytes] = deque()
         self._lock = threading.Lock()  # guards _ending and the wake pipe
+        _after_fork.add(self)
         self._ending: tuple[type[Exception], str] | None = None  # set once: no more sends
         self._abandoned = False
         self.supervised = False  # a launcher in this process calls engine_died
@@ -772,6 +786,9 @@ class _Connection:
         """The client object was garbage-collected. Runs in whatever thread the collector
         runs in, maybe inside a send holding the lock: only sets a flag for the I/O thread."""
         self._abandoned = True
+
+    def _new_locks(self) -> None:
+        self._lock = threading.Lock()
 
     def _end(self, kind: type[Exception], reason: str) -> None:
         with self._lock:
@@ -1198,6 +1215,7 @@ class _ClientBase:
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_lock = threading.Lock()
         self._tokenizer_fetch: asyncio.Future | None = None  # AsyncClient's fetch under way
+        _after_fork.add(self)
         self._ids = itertools.count()
         # Dropped without close(): the I/O thread aborts what is pending and stops. (The
         # callbacks hold the connection, never this object.)
@@ -1209,6 +1227,9 @@ class _ClientBase:
                 c.engine_died(reason)
 
         self._engine_died = engine_died  # for the Engine that made this client
+
+    def _new_locks(self) -> None:
+        self._tokenizer_lock = threading.Lock()
 
     @property
     def info(self) -> EngineInfo:

@@ -612,6 +612,32 @@ def test_no_deadline_is_an_infinite_timeout(engine):
         assert client.stats(timeout=math.inf).num_blocks
 
 
+def test_a_forked_child_never_waits_on_a_lock_its_parent_held(client):
+    """A fork while another thread fetched the tokenizer (holding the client's locks) left
+    them held in the child: its ``tokenize`` hung forever. The child makes them anew, and
+    its use of the client fails as every other call there does."""
+    fresh = mpengine.Client(client.info.request_address)  # (no tokenizer fetched yet)
+    try:
+        with fresh._tokenizer_lock, fresh._conn._lock:  # as another thread would hold them
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    signal.alarm(10)  # (a hang ends the child, failing the test)
+                    fresh.tokenize("hello")
+                except ClientClosedError:
+                    code = 0
+                finally:
+                    os._exit(code)
+        deadline = time.monotonic() + 30
+        while (status := os.waitpid(pid, os.WNOHANG)) == (0, 0):  # (polls a deadline)
+            assert time.monotonic() < deadline, "the child hung"
+            time.sleep(0.02)
+        assert os.waitstatus_to_exitcode(status[1]) == 0
+    finally:
+        fresh.close()
+
+
 def test_a_refused_prompt_of_a_batch_raises_at_once_and_aborts_the_rest(client):
     """The batch waited for the requests before the bad one to finish, and left them
     running: now the refusal raises as it arrives, and the others are aborted."""
