@@ -816,8 +816,11 @@ class _Connection:
             poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         while True:
-            if self._abandoned:
-                self._end(ClientClosedError, "the client was garbage-collected without close()")
+            if self._abandoned:  # (its finalizer also runs at exit, the client in use)
+                self._end(
+                    ClientClosedError,
+                    "the client was not closed, and was garbage-collected or the program exits",
+                )
             if self._ending is not None:
                 return
             events = dict(poller.poll(POLL_MS))
