@@ -836,10 +836,19 @@ class _Connection:
             if (requests.monitor in events and requests.disconnected()) or (
                 outputs.monitor in events and outputs.disconnected()
             ):
-                if self.supervised and self._ending is None:
-                    select.select([self._wake_r], [], [], LAUNCHER_WORD_S)  # engine_died
+                if self.supervised:
+                    self._await_launcher()
                 self._end(EngineDeadError, "the engine closed its connection (it stopped or died)")
             self._flush()  # aborts of requests whose delivery failed
+
+    def _await_launcher(self) -> None:
+        """Wait (a little) for the launcher's ``engine_died``, which says why."""
+        until = time.monotonic() + LAUNCHER_WORD_S
+        while self._ending is None and (left := until - time.monotonic()) > 0:
+            select.select([self._wake_r], [], [], left)
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._wake_r, 4096):  # (also woken by sends meanwhile)
+                    pass
 
     def _flush(self) -> bool:
         """Send the outbox to the scheduler; whether anything was sent."""
