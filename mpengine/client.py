@@ -1200,10 +1200,10 @@ def _check_counts(prompts: Sequence, params: Sequence, request_ids: Sequence) ->
 
 
 def _per_prompt(params: Any, kind: type, count: int) -> list:
-    """One parameter set per prompt: the same one for all (the default when None), or a
-    sequence of them."""
+    """One parameter set per prompt: the same one for all (None: each request's default),
+    or a sequence of them."""
     if params is None or isinstance(params, kind):
-        return [params or kind()] * count
+        return [params] * count
     if isinstance(params, dict | str | bytes):  # would iterate as keys or characters
         raise TypeError(
             f"params must be {kind.__name__} (or one per prompt), not {type(params).__name__}"
@@ -1287,7 +1287,8 @@ class _ClientBase:
         streaming: bool = False,
         priority: int = 0,
     ) -> AddRequest:
-        params = (params or SamplingParams()).validate()
+        # No parameters: the model's defaults (its generation_config.json), as vLLM's.
+        params = (params or self.info.default_sampling()).validate()
         _check_priority(priority)
         if streaming and not params.streams:
             what = (

@@ -63,6 +63,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     startup_timeout: Annotated[float, Meta(gt=0, le=WEEK_S)] = 300.0
     trace: str | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         # Found out at start, not when the stages write their parts at the end.
@@ -187,6 +188,10 @@ HELP = {
     "wildcard (default: the host the client used for requests)",
     "log_level": "log level of every stage (DEBUG logs each scheduling decision)",
     "startup_timeout": "seconds to wait for the stages to load and report ready",
+    "generation_config": "default sampling parameters of requests that leave them out: auto "
+    "(the model directory's generation_config.json: temperature, top_p, top_k, min_p, "
+    "repetition_penalty, max_new_tokens as max_tokens, as vLLM reads them), none (the "
+    "engine's own; vLLM's 'vllm' is taken too), or a directory with a generation_config.json",
     "trace": "write a Chrome trace (Perfetto, chrome://tracing) of every stage's steps, phases "
     "and waits to this file when the engine stops (each stage process keeps its last 200k "
     "spans)",

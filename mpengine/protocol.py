@@ -483,6 +483,14 @@ class EngineInfo(msgspec.Struct, **_WIRE):
     # The admission queue's bounds (0: unknown); batch calls stay within them.
     max_waiting_requests: int = 0
     max_waiting_tokens: int = 0
+    # The model's defaults for the sampling parameters a request leaves out, by field name
+    # (``SamplingParams`` fields: temperature, top_p, top_k, min_p, repetition_penalty,
+    # max_tokens); see ``default_sampling``.
+    sampling_defaults: dict[str, int | float] = {}
+
+    def default_sampling(self, **fields: Any) -> SamplingParams:
+        """``SamplingParams(**fields)`` with the model's defaults for the fields left out."""
+        return SamplingParams(**{**self.sampling_defaults, **fields})
 
     @property
     def is_embedding(self) -> bool:
@@ -804,6 +812,8 @@ class ModelInfo(msgspec.Struct, **_WIRE):
     pooling: PoolingInfo | None = None  # None: the model cannot embed
     can_generate: bool = True
     num_host_blocks: int = 0  # swap space, in KV blocks
+    # The model's default sampling parameters (its generation_config.json), by field name.
+    sampling_defaults: dict[str, int | float] = {}
 
 
 class StageReady(msgspec.Struct, **_WIRE):

@@ -192,6 +192,7 @@ class Executor:
             pooling=self.loaded.pooling,
             can_generate=self.loaded.can_generate,
             num_host_blocks=num_host_blocks,
+            sampling_defaults=self.loaded.sampling_defaults,
         )
         logger.info("executor ready (%s attention): %s", self.backend, self.info)
 

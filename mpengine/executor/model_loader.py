@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,7 +36,7 @@ from transformers.utils import logging as hf_logging
 from mpengine.config import EngineConfig
 from mpengine.executor.attention import ATTENTION_NAME, register_attention
 from mpengine.executor.model_audit import UnsupportedModel, audit_attention
-from mpengine.protocol import Pooling, PoolingInfo
+from mpengine.protocol import Pooling, PoolingInfo, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class LoadedModel:
     head_dim: int
     pooling: PoolingInfo | None = None  # None: cannot embed
     can_generate: bool = True
+    sampling_defaults: dict[str, int | float] = field(default_factory=dict)
 
     @property
     def is_encoder(self) -> bool:
@@ -211,6 +212,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
         head_dim=head_dim,
         pooling=pooling,
         can_generate=kind == "causal",
+        sampling_defaults=(
+            sampling_defaults(path, config.generation_config) if kind == "causal" else {}
+        ),
     )
 
 
@@ -410,6 +414,55 @@ def _check_chunked_attention(text_config: PretrainedConfig, max_model_len: int) 
         raise NotImplementedError(
             f"chunked attention (chunks of {chunk}) is not supported: set max_model_len <= {chunk}"
         )
+
+
+# generation_config.json's names of the sampling defaults vLLM takes from it.
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def sampling_defaults(path: str, source: str) -> dict[str, int | float]:
+    """The default sampling parameters ``source`` gives (see ``EngineConfig``'s
+    ``generation_config``): the values its generation_config.json sets, each checked
+    alone (one out of range is left out, with a warning)."""
+    if source in ("none", "vllm"):
+        return {}
+    directory = path if source == "auto" else source
+    file = os.path.join(directory, "generation_config.json")
+    if source != "auto" and not os.path.isfile(file):
+        raise FileNotFoundError(f"generation_config: no generation_config.json in {source!r}")
+    try:
+        with open(file, encoding="utf-8") as f:
+            values = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        logger.warning("generation_config: %s cannot be read (%s): no defaults from it", file, exc)
+        return {}
+    defaults: dict[str, int | float] = {}
+    for name, field_name in GENERATION_DEFAULTS.items():
+        value = values.get(name) if isinstance(values, dict) else None
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{field_name: value})
+        except (TypeError, ValueError) as exc:
+            logger.warning("generation_config: %s=%r left out: %s", name, value, exc)
+            continue
+        defaults[field_name] = value
+    if defaults:
+        logger.info(
+            "default sampling parameters from %s: %s (--generation-config none: the engine's)",
+            file,
+            defaults,
+        )
+    return defaults
 
 
 def _eos_token_ids(path: str, text_config: PretrainedConfig) -> list[int]:

@@ -89,6 +89,7 @@ def engine_info(config: EngineConfig, model: ModelInfo, wiring: Wiring) -> Engin
         version=__version__,
         pooling=model.pooling,
         can_generate=model.can_generate,
+        sampling_defaults=model.sampling_defaults,
     )
 
 

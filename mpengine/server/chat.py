@@ -100,12 +100,16 @@ async def create_chat_completion(
         max_tokens = body.max_tokens
     if max_tokens is None:
         max_tokens = state.info.max_model_len - len(prompt)
+        max_tokens = min(max_tokens, state.info.sampling_defaults.get("max_tokens", max_tokens))
     else:
         state.check_context([prompt], max_tokens, param)
     num_top = body.top_logprobs or 0
     try:
         params = body.sampling_params(
-            max_tokens, num_top if body.logprobs else None, body.prompt_logprobs
+            max_tokens,
+            num_top if body.logprobs else None,
+            body.prompt_logprobs,
+            defaults=state.info.sampling_defaults,
         )
     except (msgspec.ValidationError, ValueError) as exc:
         names = {"logprobs": "top_logprobs", "max_tokens": param, **body.engine_names()}

@@ -60,7 +60,9 @@ async def create_completion(
     state.check_prompts(prompts, "prompt")
     echo_only = body.echo and body.max_tokens == 0
     if body.max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
+        max_tokens = min(
+            DEFAULT_MAX_TOKENS, state.info.sampling_defaults.get("max_tokens", 1 << 31)
+        )
     else:
         max_tokens = 1 if echo_only else body.max_tokens
         state.check_context(prompts, max_tokens, "max_tokens")
@@ -68,7 +70,9 @@ async def create_completion(
     if body.echo and body.logprobs is not None:  # the echoed prompt shows its logprobs too
         prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
     try:
-        params = body.sampling_params(max_tokens, body.logprobs, prompt_logprobs, body.best_of)
+        params = body.sampling_params(
+            max_tokens, body.logprobs, prompt_logprobs, body.best_of, state.info.sampling_defaults
+        )
     except (msgspec.ValidationError, ValueError) as exc:
         raise invalid_value(exc, body.engine_names(body.best_of)) from None
     request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -185,9 +185,11 @@ class SamplingFields(RequestModel):
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         best_of: int | None = None,
+        defaults: dict[str, int | float] | None = None,
     ) -> SamplingParams:
-        """The engine's parameters; raises ``msgspec.ValidationError`` naming the field
-        (``... - at `$.temperature```) or ``ValueError`` for a value out of range."""
+        """The engine's parameters, ``defaults`` (the model's) for those the request leaves
+        out; raises ``msgspec.ValidationError`` naming the field (``... - at
+        `$.temperature```) or ``ValueError`` for a value out of range."""
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
             "n": self.n,
@@ -220,9 +222,13 @@ class SamplingFields(RequestModel):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
-        fields.update({name: value for name, value in optional.items() if value is not None})
         if self.top_k is not None:
-            fields["top_k"] = 0 if self.top_k == -1 else self.top_k  # vLLM's "no top-k"
+            optional["top_k"] = 0 if self.top_k == -1 else self.top_k  # vLLM's "no top-k"
+        if not self.use_beam_search:  # (deterministic: the sampling knobs do not apply)
+            for name, value in (defaults or {}).items():
+                if optional.get(name) is None and name != "max_tokens":
+                    optional[name] = value
+        fields.update({name: value for name, value in optional.items() if value is not None})
         return msgspec.convert(fields, SamplingParams)
 
 
