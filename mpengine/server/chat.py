@@ -210,7 +210,9 @@ class _View:
                 index = sample.index
                 if index not in generated:
                     generated[index] = 0
-                    role = ChatChunkChoice(index, ChatDelta(self.role, self.echoed), None, None)
+                    role = ChatChunkChoice(
+                        index, ChatDelta(self.role, self.echoed), None, None, None
+                    )
                     prompt_ids = self.prompt if ids and index == 0 else None
                     usage = self._usage(0) if continuous else None
                     yield self._chunk([role], prompt_token_ids=prompt_ids, usage=usage)

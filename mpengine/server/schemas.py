@@ -376,7 +376,7 @@ class CompletionChoice(msgspec.Struct, **_OUT):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
-    stop_reason: int | str | None = None
+    stop_reason: int | str | None  # always sent (vLLM's clients read it), null or not
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     # vLLM's: per prompt token (the first null), it and the top ``prompt_logprobs``
@@ -421,7 +421,7 @@ class ChatChoice(msgspec.Struct, **_OUT):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
-    stop_reason: int | str | None = None
+    stop_reason: int | str | None  # always sent (vLLM's clients read it), null or not
     token_ids: list[int] | None = None
 
 
@@ -445,7 +445,7 @@ class ChatChunkChoice(msgspec.Struct, **_OUT):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: str | None
-    stop_reason: int | str | None = None
+    stop_reason: int | str | None  # always sent (vLLM's clients read it), null or not
     token_ids: list[int] | None = None
 
 

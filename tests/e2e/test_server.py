@@ -152,6 +152,7 @@ def test_completion_equals_the_engine(server: Served, api: openai.OpenAI, ipc) -
     assert choice.model_extra["prompt_token_ids"] == ids
     assert choice.model_extra["token_ids"] == greedy(ipc, ids, 8)
     assert choice.finish_reason == "length" and reply.model == "tiny"
+    assert choice.model_extra["stop_reason"] is None  # sent (vLLM's clients read it)
     assert reply.object == "text_completion"
     assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == 8
     detok = http(server, "/detokenize", {"tokens": choice.model_extra["token_ids"]})
@@ -251,6 +252,7 @@ def test_streaming_completion(api: openai.OpenAI) -> None:
         c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
     ]
     assert finals == ["length"]
+    assert all(c.choices[0].model_extra["stop_reason"] is None for c in chunks if c.choices)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
 
 
@@ -533,6 +535,7 @@ def test_chat_follows_the_template(api: openai.OpenAI, server: Served, ipc) -> N
     assert reply.model_extra["prompt_token_ids"] == ids
     (choice,) = reply.choices
     assert reply.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.model_extra["stop_reason"] is None
     assert choice.model_extra["token_ids"] == greedy(ipc, ids, 6)
     content = choice.logprobs.content
     assert len(content) == 6 and all(len(t.top_logprobs) == 3 for t in content)
