@@ -154,7 +154,8 @@ class _View:
     def _logprobs(self, token_ids: list[int], rows: list | None) -> ChatLogprobs | None:
         if not self.body.logprobs:
             return None
-        return chat_logprobs(self.state.text, token_ids, rows or [], self.num_top)
+        as_ids = self.body.return_tokens_as_token_ids
+        return chat_logprobs(self.state.text, token_ids, rows or [], self.num_top, as_ids)
 
     def _usage(self, num_generated: int) -> Usage:
         return Usage(len(self.prompt), num_generated, len(self.prompt) + num_generated)

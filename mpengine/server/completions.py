@@ -151,7 +151,8 @@ class _View:
             ]
         # Offsets count the tokens' own texts, as vLLM's do: a token that is part of a
         # character reads as U+FFFD, so they may differ from the text's length.
-        logprobs, offset = completion_logprobs(self.state.text, ids, rows, 0)
+        as_ids = self.body.return_tokens_as_token_ids
+        logprobs, offset = completion_logprobs(self.state.text, ids, rows, 0, as_ids)
         return text, logprobs, offset
 
     def _choice(
@@ -200,7 +201,13 @@ class _View:
                     text += sample.text
                 if self.body.logprobs is not None and not self.echo_only:
                     rows = sample.logprobs or []
-                    generated, _ = completion_logprobs(self.state.text, token_ids, rows, offset)
+                    generated, _ = completion_logprobs(
+                        self.state.text,
+                        token_ids,
+                        rows,
+                        offset,
+                        self.body.return_tokens_as_token_ids,
+                    )
                     logprobs = _join(logprobs, generated)
                 choices.append(
                     self._choice(
@@ -266,7 +273,11 @@ class _View:
                         text = echoed + text
                 if self.body.logprobs is not None and token_ids:
                     new_logprobs, offsets[index] = completion_logprobs(
-                        self.state.text, token_ids, sample.logprobs or [], offsets[index]
+                        self.state.text,
+                        token_ids,
+                        sample.logprobs or [],
+                        offsets[index],
+                        self.body.return_tokens_as_token_ids,
                     )
                     logprobs = _join(logprobs, new_logprobs)
                 choice = self._choice(

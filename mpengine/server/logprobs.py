@@ -3,7 +3,9 @@
 The engine gives, per token, ``{token id: logprob}`` holding the top N and the chosen
 token. Completions list the tokens' texts, their logprobs, each position's alternatives
 (all the engine returned) and each token's offset in the text; chat lists, per token, its
-text, logprob and UTF-8 bytes, with exactly the N most likely alternatives.
+text, logprob and UTF-8 bytes, with exactly the N most likely alternatives. With vLLM's
+``return_tokens_as_token_ids``, tokens are named ``token_id:ID`` (bytes and offsets stay
+those of their text).
 """
 
 from __future__ import annotations
@@ -23,23 +25,28 @@ def completion_logprobs(
     token_ids: list[int],
     rows: list[dict[int, float]] | list[dict[int, float] | None],
     offset: int,
+    as_ids: bool = False,
 ) -> tuple[CompletionLogprobs, int]:
     """The completions format for ``token_ids`` starting at character ``offset`` of the
     choice's text; also returns the offset after them. A ``None`` row (a prompt's first
     token) has no logprob."""
+    name = _id_name if as_ids else text.token_text
     tokens, values, tops, offsets = [], [], [], []
     for token_id, row in zip(token_ids, rows, strict=True):
-        token = text.token_text(token_id)
-        tokens.append(token)
+        tokens.append(name(token_id))
         offsets.append(offset)
-        offset += len(token)
+        offset += len(text.token_text(token_id))
         if row is None:
             values.append(None)
             tops.append(None)
         else:
             values.append(row.get(token_id))
-            tops.append({text.token_text(t): v for t, v in row.items()})
+            tops.append({name(t): v for t, v in row.items()})
     return CompletionLogprobs(offsets, values, tokens, tops), offset
+
+
+def _id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def prompt_logprob_entries(
@@ -75,17 +82,22 @@ def prompt_logprob_entries(
 
 
 def chat_logprobs(
-    text: TextTools, token_ids: list[int], rows: list[dict[int, float]], num_top: int
+    text: TextTools,
+    token_ids: list[int],
+    rows: list[dict[int, float]],
+    num_top: int,
+    as_ids: bool = False,
 ) -> ChatLogprobs:
     content = []
     for token_id, row in zip(token_ids, rows, strict=True):
         best = sorted(row.items(), key=lambda item: -item[1])[:num_top]
-        top = [_top(text, t, v) for t, v in best]
+        top = [_top(text, t, v, as_ids) for t, v in best]
         token = text.token_text(token_id)
-        content.append(TokenLogprob(token, row[token_id], list(token.encode()), top))
+        name = _id_name(token_id) if as_ids else token
+        content.append(TokenLogprob(name, row[token_id], list(token.encode()), top))
     return ChatLogprobs(content)
 
 
-def _top(text: TextTools, token_id: int, value: float) -> TopLogprob:
+def _top(text: TextTools, token_id: int, value: float, as_ids: bool) -> TopLogprob:
     token = text.token_text(token_id)
-    return TopLogprob(token, value, list(token.encode()))
+    return TopLogprob(_id_name(token_id) if as_ids else token, value, list(token.encode()))

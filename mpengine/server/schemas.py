@@ -145,6 +145,7 @@ class SamplingFields(RequestModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:ID"
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's beam search: best_of (else n) beams, the n best returned.
@@ -161,6 +162,9 @@ class SamplingFields(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[Any] | None = None
     guided_grammar: str | None = None
+    # vLLM's token constraints, refused likewise (the tokens they exclude would come back).
+    allowed_token_ids: list[Any] | None = None
+    bad_words: list[Any] | None = None
 
     def engine_names(self, best_of: int | None = None) -> dict[str, str]:
         """The request's names of engine fields it sets under another name."""
@@ -177,6 +181,9 @@ class SamplingFields(RequestModel):
         for name in STRUCTURED_FIELDS:
             if getattr(self, name) is not None:
                 return "structured outputs (guided decoding) are not supported", name
+        for name in ("allowed_token_ids", "bad_words"):
+            if getattr(self, name):  # (empty: no constraint)
+                return f"{name} is not supported (logit_bias can ban or favour tokens)", name
         return None
 
     def sampling_params(

@@ -376,6 +376,29 @@ def test_logprobs_and_echo(api: openai.OpenAI, server: Served) -> None:
         assert values == pytest.approx(lp.token_logprobs[skip:], abs=1e-6)
         assert offsets == [o - lp.text_offset[skip] for o in lp.text_offset[skip:]]
 
+    # vLLM's return_tokens_as_token_ids: the same logprobs, tokens named by id.
+    body = {**common["extra_body"], "return_tokens_as_token_ids": True, "return_token_ids": True}
+    named = api.completions.create(echo=True, **{**common, "extra_body": body}).choices[0]
+    generated = named.model_extra["token_ids"]
+    assert named.logprobs.tokens == [f"token_id:{t}" for t in ids + generated]
+    assert named.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    assert named.logprobs.text_offset == lp.text_offset  # (of the text, as before)
+    assert all(
+        all(k.startswith("token_id:") for k in top) for top in named.logprobs.top_logprobs[1:]
+    )
+    chat = api.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Once upon"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=body,
+    ).choices[0]
+    want = [f"token_id:{t}" for t in chat.model_extra["token_ids"]]
+    assert [t.token for t in chat.logprobs.content] == want
+    assert all(len(t.top_logprobs) == 2 for t in chat.logprobs.content)
+
 
 def test_echo_without_generation_scores_the_prompt(api: openai.OpenAI, server: Served, ipc) -> None:
     """``echo`` + ``max_tokens: 0`` returns the prompt alone with its logprobs (how

@@ -394,6 +394,8 @@ def test_null_means_the_default() -> None:
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
         ({"guided_choice": ["a"]}, "guided_choice"),
+        ({"allowed_token_ids": [5, 6, 7]}, "allowed_token_ids"),
+        ({"bad_words": [" shipped"]}, "bad_words"),
     ],
 )
 def test_constrained_outputs_are_refused_by_both_endpoints(fields: dict, param: str) -> None:
@@ -404,6 +406,7 @@ def test_constrained_outputs_are_refused_by_both_endpoints(fields: dict, param: 
         message, field = body.misuse()
         assert field == param and "supported" in message
     assert CompletionRequest(prompt="x", response_format={"type": "text"}).misuse() is None
+    assert CompletionRequest(prompt="x", allowed_token_ids=[], bad_words=[]).misuse() is None
 
 
 def test_tools_are_rendered_with_tool_choice_none_only() -> None:
