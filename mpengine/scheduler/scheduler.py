@@ -764,20 +764,22 @@ class Scheduler:
             return 0
         if request.pooling is not None and request.pooling.pooling != "last":
             return 0  # mean and CLS pooling read the prompt's first tokens' hidden states
-        hashes = self._hashes(seq, (len(seq) - 1) // self.blocks.block_size)
-        seq.block_ids = self.blocks.lookup(hashes)
+        num_blocks = (len(seq) - 1) // self.blocks.block_size
+        seq.block_ids = self.blocks.lookup(self._hashes(seq, num_blocks)[:num_blocks])
         seq.num_computed = seq.num_registered = len(seq.block_ids)
         seq.num_computed *= self.blocks.block_size
         return len(seq.block_ids)
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The hash chain of ``seq``'s first ``num_blocks`` full blocks (extended lazily)."""
+        """The hash chain of ``seq``'s full blocks, extended (lazily) to at least its first
+        ``num_blocks``; only the new blocks' tokens are read (a copy of the whole context
+        made every decode step cost its length)."""
         have = seq.block_hashes
         if len(have) < num_blocks:
+            size = self.blocks.block_size
             parent = have[-1] if have else None
-            tokens = seq.token_ids[: num_blocks * self.blocks.block_size]
-            have += chain_hashes(tokens, self.blocks.block_size, parent, len(have))
-        return have[:num_blocks]
+            have += chain_hashes(seq.token_ids[len(have) * size : num_blocks * size], size, parent)
+        return have
 
     def _register_computed(self, seq: Sequence, step: int) -> None:
         """Name the full blocks whose tokens are known and computed as of the plan being
