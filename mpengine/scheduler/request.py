@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from mpengine.protocol import PoolingParams, SamplingParams
@@ -118,3 +122,37 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(seq.finished for seq in self.seqs)
+
+
+class WaitingQueue:
+    """Requests waiting for admission, in the order they are admitted: arrival, or by
+    priority (lower first) then arrival, in a heap (a burst of thousands queued behind
+    each other took a walk of the queue each: 1-2 s of scheduler time at 4,096 waiting).
+    Aborted requests stay until they reach the head (the caller skips them there)."""
+
+    def __init__(self, by_priority: bool) -> None:
+        self.by_priority = by_priority
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, int, Request]] = []
+        self._arrivals = itertools.count()
+
+    def append(self, request: Request) -> None:
+        if self.by_priority:
+            heapq.heappush(self._heap, (request.priority, next(self._arrivals), request))
+        else:
+            self._fifo.append(request)
+
+    def head(self) -> Request:
+        return self._heap[0][2] if self.by_priority else self._fifo[0]
+
+    def popleft(self) -> Request:
+        return heapq.heappop(self._heap)[2] if self.by_priority else self._fifo.popleft()
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.by_priority else len(self._fifo)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In admission order (sorting the heap: for stats and tests)."""
+        if self.by_priority:
+            return (request for *_, request in sorted(self._heap))
+        return iter(self._fifo)

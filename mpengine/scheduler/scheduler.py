@@ -61,7 +61,7 @@ from mpengine.protocol import (
     StepPlan,
 )
 from mpengine.scheduler.block_manager import BlockHash, BlockManager, chain_hashes
-from mpengine.scheduler.request import Request, Sequence, Status
+from mpengine.scheduler.request import Request, Sequence, Status, WaitingQueue
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class Scheduler:
         self._prompt_logprob_tokens = 0
         self._next_key = 0
         self.seqs: dict[int, Sequence] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(self.by_priority)
         self.running: list[Sequence] = []  # in admission order
         self.preempted: deque[Sequence] = deque()
         self.pending_release: list[Sequence] = []  # finished, a planned step still touches them
@@ -243,7 +243,7 @@ class Scheduler:
         for child in request.seqs[1:]:
             child.fork_parent = request.seqs[0]
         self.requests[client_id, req.request_id] = request
-        self._enqueue(self.waiting, request, request.priority)
+        self.waiting.append(request)
         self.num_waiting_requests += 1
         self.num_waiting_tokens += len(prompt)
         logger.debug("queued %s: %d prompt tokens", req.request_id, len(prompt))
@@ -572,10 +572,10 @@ class Scheduler:
             plan.released_requests = Array.of(released, "int64")
         return plan
 
-    def _enqueue(self, queue: list | deque, item: Request | Sequence, priority: int) -> None:
-        """Append ``item``; by priority, after the last item of its priority or a more urgent
-        one (a lower number), so the queue stays ordered by (priority, arrival): admission
-        takes its head, preemption its tail."""
+    def _enqueue(self, queue: list, item: Sequence, priority: int) -> None:
+        """Append ``item`` to the running list (at most ``max_num_seqs``); by priority,
+        after the last item of its priority or a more urgent one (a lower number), so it
+        stays ordered by (priority, arrival): preemption takes its tail."""
         index = len(queue)
         if self.by_priority:
             while index and _priority(queue[index - 1]) > priority:
@@ -619,9 +619,9 @@ class Scheduler:
 
     def _first_waiting(self) -> Request | None:
         """The first waiting request (dropping those aborted meanwhile), or None."""
-        while self.waiting and self.waiting[0].finished:
+        while self.waiting and self.waiting.head().finished:
             self.waiting.popleft()
-        return self.waiting[0] if self.waiting else None
+        return self.waiting.head() if self.waiting else None
 
     def _resume(self, step: int, budget: int, chunks: list, block_deltas: list) -> int | None:
         """Resume the most urgent (then oldest) preempted sequence that can; the tokens it
