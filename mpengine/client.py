@@ -242,6 +242,9 @@ class _Assembly:
         prompt_ids = request.prompt_token_ids.numpy().tolist()
         samples = [CompletionOutput(i) for i in range(n)]
         self.output = RequestOutput(request.request_id, prompt_ids, samples)
+        # Each sample's text, joined once it has finished (adding each delta's to a string
+        # copied the whole text each time: 0.2 s at 32k tokens).
+        self.texts: list[list[str]] = [[] for _ in range(n)]
         self.num_open = n
         self.embedding: np.ndarray | None = None  # a pooling request's result
         self.num_prompt_tokens = 0  # as the engine counted them (on the final delta)
@@ -250,7 +253,7 @@ class _Assembly:
         """Apply a delta; return it as a RequestOutput holding only what is new."""
         out = self.output.outputs[delta.index]
         new = CompletionOutput(delta.index, delta.text, delta.token_ids.numpy().tolist())
-        out.text += delta.text
+        self.texts[delta.index].append(delta.text)
         out.token_ids += new.token_ids
         if delta.embedding is not None:
             self.embedding = delta.embedding.numpy().copy()
@@ -271,6 +274,7 @@ class _Assembly:
             delta.num_generated_tokens if ranked else len(new.token_ids)
         )
         if delta.finish_reason is not None:
+            out.text = "".join(self.texts[delta.index])
             out.finish_reason = new.finish_reason = delta.finish_reason
             out.stop_reason = new.stop_reason = delta.stop_reason
             out.error = new.error = delta.error

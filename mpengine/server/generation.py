@@ -33,18 +33,24 @@ T = TypeVar("T")
 class Sample:
     """One sample of one prompt, assembled from its deltas (non-streaming responses)."""
 
-    text: str = ""
+    texts: list[str] = field(default_factory=list)  # joined once read (one delta a token)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
     def add(self, delta: RequestOutput) -> None:
         out = delta.outputs[0]
-        self.text += out.text
+        self.texts.append(out.text)
         self.token_ids += out.token_ids
         if out.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + out.logprobs
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += out.logprobs  # (in place: a new list each delta was quadratic)
         if out.finish_reason is not None:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
