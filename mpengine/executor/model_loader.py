@@ -36,7 +36,7 @@ from transformers.utils import logging as hf_logging
 from mpengine.config import EngineConfig
 from mpengine.executor.attention import ATTENTION_NAME, register_attention
 from mpengine.executor.model_audit import UnsupportedModel, audit_attention
-from mpengine.protocol import Pooling, PoolingInfo, SamplingParams
+from mpengine.protocol import INT32_MAX, Pooling, PoolingInfo, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -450,8 +450,17 @@ def sampling_defaults(path: str, source: str) -> dict[str, int | float]:
         value = values.get(name) if isinstance(values, dict) else None
         if value is None:
             continue
+        if (
+            field_name in ("top_k", "max_tokens")
+            and isinstance(value, float)
+            and value.is_integer()
+        ):
+            value = int(value)  # (written 20.0)
+        if field_name == "max_tokens" and isinstance(value, int) and value > INT32_MAX:
+            value = INT32_MAX  # (as many as fit)
         try:
-            SamplingParams(**{field_name: value})
+            # As the parameters hold it (top_k -1 is 0, "no top-k").
+            value = getattr(SamplingParams(**{field_name: value}), field_name)
         except (TypeError, ValueError) as exc:
             logger.warning("generation_config: %s=%r left out: %s", name, value, exc)
             continue

@@ -47,6 +47,13 @@ def test_the_sampling_fields_of_generation_config_are_read(tmp_path, caplog) -> 
     assert sampling_defaults(str(path), str(path)) == sampling_defaults(str(path), "auto")
     with pytest.raises(FileNotFoundError, match=r"no generation_config\.json"):
         sampling_defaults(str(path), str(tmp_path))
+    # As the parameters hold them: top_k -1 is "no top-k" (0); whole numbers written as
+    # floats are integers; max_new_tokens past int32 is as many as fit.
+    odd = model_with(tmp_path / "odd", {"top_k": -1, "max_new_tokens": 2.0**40})
+    assert sampling_defaults(str(odd), "auto") == {"top_k": 0, "max_tokens": 2**31 - 1}
+    whole = model_with(tmp_path / "whole", {"top_k": 20.0, "max_new_tokens": 64.0})
+    defaults = sampling_defaults(str(whole), "auto")
+    assert defaults == {"top_k": 20, "max_tokens": 64} and type(defaults["top_k"]) is int
     # A value out of range is left out, with the reason; the others stay.
     bad = model_with(tmp_path / "bad", {"top_p": 5.0, "repetition_penalty": 1.1})
     with caplog.at_level(logging.WARNING, "mpengine.executor.model_loader"):
