@@ -38,8 +38,7 @@ _BLOCK_DELTA = 3 * 4  # slot, index, block id
 _SEQ_START = 48  # tag + slot, seq id, request key, sample index, flag
 _FRAME = 512  # tags, array headers, dtype names, step numbers
 _PARAMS = 512 + 9 * MAX_STOP_TOKEN_IDS  # RequestParams without the prompt
-# seq id, token, logprob + top-N (a beam's candidates, or logprobs asked for), row index
-_RESULT_ROW = 8 + 4 + 4 + 8 * max(MAX_LOGPROBS, MAX_BEAM_CANDIDATES) + 4
+_RESULT_ROW = 8 + 4 + 4 + 4  # seq id, token, logprob, row index; then 8 bytes per top-N
 _PROMPT_LOGPROB_ROW = 8 + 8 * MAX_LOGPROBS
 
 
@@ -54,6 +53,9 @@ class FrameLimits:
     max_prompt_logprob_tokens: int  # prompt-logprob positions per step
     result_fixed_bytes: int
     feedback_bytes: int
+    # A beam's continuations per step: up to MAX_BEAM_CANDIDATES where the ring has room
+    # for them beside what the logprobs requests may ask for, never fewer than those.
+    max_beam_candidates: int = MAX_LOGPROBS
 
     @staticmethod
     def request_params_bytes(num_prompt_tokens: int, prompt_logprobs: bool) -> int:
@@ -93,8 +95,11 @@ class FrameLimits:
                 f"{max_model_len} need at least {plan_fixed + one_request + RING_HEADER} bytes; "
                 "raise ring_bytes or lower those"
             )
-        result_fixed = _FRAME + _RESULT_ROW * seqs
-        prompt_room = capacity - result_fixed - 64 * seqs  # 64: one chunk's framing
+
+        def result_bytes(num_top: int) -> int:
+            return _FRAME + (_RESULT_ROW + 8 * num_top) * seqs
+
+        prompt_room = capacity - result_bytes(MAX_LOGPROBS) - 64 * seqs  # 64: a chunk's framing
         max_prompt_tokens = min(tokens, prompt_room // _PROMPT_LOGPROB_ROW)
         if max_prompt_tokens < 1:
             raise ConfigError(
@@ -102,10 +107,14 @@ class FrameLimits:
                 f"max_num_seqs={seqs} sequences with logprobs; raise ring_bytes or lower "
                 "max_num_seqs"
             )
+        # Wider rows for beams only from what that many prompt-logprob positions leave.
+        spare = prompt_room - max_prompt_tokens * _PROMPT_LOGPROB_ROW
+        max_beam = min(MAX_BEAM_CANDIDATES, MAX_LOGPROBS + spare // (8 * seqs))
+        result_fixed = result_bytes(max_beam)
         feedback = _FRAME + (8 + 4 + 9 + 6) * config.num_slots
         if feedback > capacity:
             raise ConfigError(
                 f"ring_bytes ({config.ring_bytes}) is too small for the feedback of "
                 f"max_num_seqs={seqs}; raise ring_bytes or lower max_num_seqs"
             )
-        return cls(plan_fixed, plan_extra, max_prompt_tokens, result_fixed, feedback)
+        return cls(plan_fixed, plan_extra, max_prompt_tokens, result_fixed, feedback, max_beam)

@@ -332,13 +332,14 @@ class Scheduler:
         if sampling.use_beam_search:
             num_stops = len(self._beam_stop_ids(sampling))
             num_candidates = sampling.beam_candidates(num_stops)
-            limit = min(MAX_BEAM_CANDIDATES, self.vocab_size)
+            limit = min(self.limits.max_beam_candidates, self.vocab_size)
             if num_candidates > limit:
                 width = sampling.num_samples
                 per_beam = num_candidates // width
+                bound = " (ring_bytes bounds it)" if limit < MAX_BEAM_CANDIDATES else ""
                 raise RequestRejected(
                     f"sampling.beam_width: {width} beams weigh {num_candidates} continuations "
-                    f"a step, at most {limit}: {per_beam} per beam, one more than the "
+                    f"a step, at most {limit}{bound}: {per_beam} per beam, one more than the "
                     f"{num_stops} tokens that end a beam (EOS and stop_token_ids), at least "
                     f"2. At most {limit // per_beam} beams with these, or fewer stop_token_ids"
                 )

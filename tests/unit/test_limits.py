@@ -9,6 +9,8 @@ import pytest
 from mpengine.config import EngineConfig, MiB
 from mpengine.limits import ABORT_CHUNK_BYTES, RING_HEADER, ConfigError, FrameLimits
 from mpengine.protocol import (
+    MAX_BEAM_CANDIDATES,
+    MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     AbortRequests,
@@ -238,6 +240,23 @@ def test_prompt_logprob_positions_per_step_are_capped() -> None:
     add(sched, "r", [5] * 3000, max_tokens=2, prompt_logprobs=20)
     plan = sched.schedule()
     assert plan is not None and int(plan.num_tokens.numpy()[0]) == cap
+
+
+@pytest.mark.parametrize("max_num_seqs", [256, 4096, 16384, 34376])
+def test_beam_rows_take_only_what_the_ring_spares(max_num_seqs: int) -> None:
+    """Reserving rows of 64 continuations for every sequence refused configurations that
+    started before (16,384 sequences with the default ring) and halved the prompt-logprob
+    positions of a step. Beams get wider rows only from what is spare."""
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs)
+    limits = FrameLimits.derive(config, max_model_len=2048)
+    narrow = 512 + (20 + 8 * MAX_LOGPROBS) * max_num_seqs  # rows of the 20 one may ask for
+    room = config.ring_bytes - RING_HEADER - narrow - 64 * max_num_seqs
+    assert limits.max_prompt_logprob_tokens == min(max_num_seqs, room // (8 + 8 * MAX_LOGPROBS))
+    assert MAX_LOGPROBS <= limits.max_beam_candidates <= MAX_BEAM_CANDIDATES
+    prompt = limits.max_prompt_logprob_tokens * (8 + 8 * MAX_LOGPROBS) + 64 * max_num_seqs
+    assert limits.result_fixed_bytes + prompt <= config.ring_bytes - RING_HEADER
+    if max_num_seqs == 256:
+        assert limits.max_beam_candidates == MAX_BEAM_CANDIDATES
 
 
 def test_a_ring_too_small_for_the_batch_limits_is_refused_naming_the_option() -> None:
