@@ -653,7 +653,10 @@ class _Connection:
         self.dead: str | None = None  # why the engine is gone, once it is
         self._query_ids = itertools.count()
         self._outbox: deque[bytes] = deque()
-        self._lock = threading.Lock()  # guards _ending and the wake pipe
+        # Guards _ending, the wake pipe and ``live``; reentrant: a stream dropped in a
+        # reference cycle is closed by the collector in whatever thread runs it, maybe one
+        # holding the lock in ``submit`` (its ``forget`` then takes it again).
+        self._lock = threading.RLock()
         _after_fork.add(self)
         self._ending: tuple[type[Exception], str] | None = None  # set once: no more sends
         self._abandoned = False
@@ -792,7 +795,7 @@ class _Connection:
         self._abandoned = True
 
     def _new_locks(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     def _end(self, kind: type[Exception], reason: str) -> None:
         with self._lock:
@@ -1023,7 +1026,23 @@ class _Request:
         self.request_id = request.request_id
         self.assembly = _Assembly(request)
         self.failed = False
-        self.wire_id = conn.submit(request, sink)
+        # Final deltas (or the error) received by the I/O thread: once all have, the
+        # request has ended on the engine, and a late reader still gets what is left.
+        self._finals_due = self.assembly.num_open
+
+        def receive(item: OutputDelta | BaseException) -> None:
+            if isinstance(item, BaseException):
+                self._finals_due = 0
+            elif item.finish_reason is not None:
+                self._finals_due -= 1
+            sink(item)
+
+        self.wire_id = conn.submit(request, receive)
+
+    @property
+    def ended(self) -> bool:
+        """Every final delta has arrived here (maybe not read yet)."""
+        return self._finals_due <= 0
 
     @property
     def finished(self) -> bool:
@@ -1392,7 +1411,7 @@ class Client(_ClientBase):
         request = _SyncRequest(self._conn, add)
         try:
             while not request.finished:
-                if deadline.passed:  # (a reader slower than the engine always finds one)
+                if deadline.passed and not request.ended:  # (a slow reader always finds one)
                     raise deadline.error(f"request {request.request_id!r} aborted: not finished")
                 yield request.next(deadline)
         finally:
@@ -1570,7 +1589,7 @@ class AsyncClient(_ClientBase):
         request = await self._arequest(prompt, params, request_id, True, priority)
         try:
             while not request.finished:
-                if deadline.passed:  # (a reader slower than the engine always finds one)
+                if deadline.passed and not request.ended:  # (a slow reader always finds one)
                     raise deadline.error(f"request {request.request_id!r} aborted: not finished")
                 yield await request.next(deadline)
         finally:

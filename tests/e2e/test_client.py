@@ -580,6 +580,38 @@ def test_a_stream_times_out_for_a_reader_slower_than_the_engine(client):
     assert_idle(client)
 
 
+def test_a_late_reader_still_gets_a_request_that_ended(client):
+    """The deadline ends a stream whose request still runs, not one whose every delta has
+    arrived: those are the caller's, read late or not."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    stream = client.stream([1, 2, 3], params, timeout=0.3)
+    first = next(stream)
+    request = stream.gi_frame.f_locals["request"]  # (the generator's own request)
+    deadline = time.monotonic() + 30
+    while not request.ended or time.monotonic() < request_deadline(stream):  # (polls)
+        assert time.monotonic() < deadline, "the request did not end"
+        time.sleep(0.01)
+    rest = list(stream)  # past the deadline, and nothing lost
+    assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 4
+    assert rest[-1].finished
+
+
+def request_deadline(stream) -> float:
+    deadline = stream.gi_frame.f_locals["deadline"]
+    return deadline.at
+
+
+def test_a_stream_dropped_while_its_thread_submits_does_not_hang(client):
+    """A stream dropped in a reference cycle is closed by the collector in whatever thread
+    runs it, maybe one inside ``submit`` holding the connection's lock: its cleanup took
+    that lock again and the thread hung for good."""
+    stream = client.stream([1, 2, 3], LONG)
+    next(stream)
+    with client._conn._lock:  # (as submit holds it when the collector runs)
+        stream.close()
+    assert_idle(client)
+
+
 def test_a_cancelled_call_with_a_timeout_stops(client):
     """``asyncio.wait_for`` before Python 3.12 drops a cancellation that comes in the loop
     turn its awaitable finishes in: a cancelled ``generate(timeout=...)`` ran on to the
