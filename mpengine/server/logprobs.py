@@ -67,16 +67,18 @@ def prompt_logprob_entries(
             out.append(None)
             continue
         ranked = sorted(row.items(), key=lambda item: -item[1])
-        values = [v for _, v in ranked]
         entries = {}
-        for t, v in ranked[:num_top]:
-            entries[t] = PromptLogprob(v, 1 + sum(1 for w in values if w > v), text.token_text(t))
+        rank, previous = 0, None
+        for index, (t, v) in enumerate(ranked):  # rank: 1 + how many are more likely
+            if v != previous:
+                rank, previous = index + 1, v
+            if index < num_top:
+                entries[t] = PromptLogprob(v, rank, text.token_text(t))
+            elif num_top and t == token_id and known is None and v == ranked[num_top - 1][1]:
+                known = rank  # a tie with the last of the top
         if token_id not in entries:
             value = row[token_id]
-            rank = known
-            if rank is None and num_top > 0 and value >= values[num_top - 1]:  # a tie
-                rank = 1 + sum(1 for w in values if w > value)
-            entries[token_id] = PromptLogprob(value, rank, text.token_text(token_id))
+            entries[token_id] = PromptLogprob(value, known, text.token_text(token_id))
         out.append(entries)
     return out
 
