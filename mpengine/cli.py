@@ -94,15 +94,30 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise SystemExit(f"mpengine: invalid engine configuration: {exc}") from None
 
 
+# The CLI's own defaults of the fields a model's generation_config.json may set: used when
+# neither the flag nor the model gives one (greedy, 64 tokens).
+CLI_SAMPLING = {
+    "max_tokens": 64,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+_MODEL_DEFAULT = " (default: the model's generation_config.json, else %s)"
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     group.add_argument(
-        "--temperature", type=float, default=0.0, help="0 is greedy (the default here)"
+        "--max-tokens", type=int, help="tokens to generate at most" + _MODEL_DEFAULT % 64
     )
-    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: all)")
-    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below p * max")
+    group.add_argument("--temperature", type=float, help="0 is greedy" + _MODEL_DEFAULT % 0)
+    group.add_argument("--top-p", type=float, help="nucleus sampling mass" + _MODEL_DEFAULT % 1)
+    group.add_argument(
+        "--top-k", type=int, help="keep the k most likely, 0: all" + _MODEL_DEFAULT % 0
+    )
+    group.add_argument("--min-p", type=float, help="drop tokens below p * max" + _MODEL_DEFAULT % 0)
     group.add_argument(
         "--sampling-seed",
         dest="sampling_seed",
@@ -113,27 +128,25 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--n", type=int, default=1, help="samples per prompt")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--repetition-penalty", type=float, help=_MODEL_DEFAULT.strip() % 1)
     group.add_argument("--presence-penalty", type=float, default=0.0)
     group.add_argument("--frequency-penalty", type=float, default=0.0)
     group.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token")
 
 
-def sampling_from_args(args: argparse.Namespace):
+def sampling_from_args(args: argparse.Namespace, model_defaults: dict | None = None):
+    """The flags' parameters; those not given take the model's defaults, else the CLI's."""
     from mpengine.protocol import SamplingParams
 
+    given = {name: getattr(args, name) for name in CLI_SAMPLING}
+    given = {name: value for name, value in given.items() if value is not None}
     try:
         return SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
+            **{**CLI_SAMPLING, **(model_defaults or {}), **given},
             seed=args.sampling_seed,
             n=args.n,
             stop=args.stop,
             ignore_eos=args.ignore_eos,
-            repetition_penalty=args.repetition_penalty,
             presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty,
             logprobs=args.logprobs,
@@ -155,6 +168,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     with Engine(config_from_args(args)) as engine, engine.client() as client:
+        params = sampling_from_args(args, client.info.sampling_defaults)
         start = time.perf_counter()
         if stream:
             from mpengine.client import CompletionOutput, RequestOutput

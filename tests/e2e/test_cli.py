@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -113,6 +114,25 @@ def test_generate_stream_prints_what_generate_prints(capsys):
     several = capsys.readouterr()
     assert "--stream prints one prompt's text with n = 1" in several.err
     assert several.out.count("[6 tokens, finish_reason=length]") == 2
+
+
+def test_generate_takes_the_models_defaults_for_flags_not_given(tmp_path, capsys):
+    """The sampling flags had defaults of their own (greedy, 64 tokens), so a model's
+    generation_config.json never counted, though --generation-config is a flag."""
+    model = tmp_path / "model"
+    shutil.copytree(resolve_model("tiny"), model)
+    file = model / "generation_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "max_new_tokens": 5}))
+    argv = ["generate", "--model", str(model), "--runtime", "serial", "--prompt", "Once upon"]
+    argv += ["--ignore-eos", "--log-level", "WARNING", "--json"]
+
+    def num_tokens(*flags: str) -> int:
+        assert main([*argv, *flags]) == 0
+        return len(json.loads(capsys.readouterr().out)["token_ids"])
+
+    assert num_tokens() == 5  # the model's max_new_tokens
+    assert num_tokens("--max-tokens", "7") == 7  # a flag wins
+    assert num_tokens("--generation-config", "none") == 64  # the CLI's own default
 
 
 def test_refused_requests_and_unreachable_engines_fail_in_one_line(tmp_path, capsys):
