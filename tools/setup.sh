@@ -11,13 +11,16 @@ stamp="$venv/.installed-$(cat pyproject.toml tools/setup.sh | sha1sum | cut -c1-
 
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+    # CPU builds ("+cpu") live on PyTorch's own index, not on PyPI (unless a local wheel
+    # directory or mirror has one): that index is the second try.
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        spec="torch==2.13.0"
+        spec="torch==2.13.0" second=""
     else
-        spec="torch==2.13.0+cpu"
+        spec="torch==2.13.0+cpu" second="https://download.pytorch.org/whl/cpu"
     fi
     echo "setup: installing $spec" >&2
-    if ! "$venv/bin/pip" install -q "$spec"; then
+    if ! "$venv/bin/pip" install -q "$spec" \
+        && ! { [ -n "$second" ] && "$venv/bin/pip" install -q "$spec" --index-url "$second"; }; then
         echo "setup: could not install $spec; install a torch build in the 2.4-2.13 range" \
              "into $venv first (a CPU build on machines without a GPU)" >&2
         exit 1
