@@ -128,7 +128,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 HELP = {
     "model": "a local Hugging Face model directory, a hub id (org/name) already in the local "
     "Hugging Face cache (never downloaded), or a built-in tiny model: tiny (Qwen3), tiny-llama, "
-    "tiny-gpt2, small, qwen3-0.6b-shape (Qwen3-0.6B's dimensions, random weights), tiny-bert "
+    "tiny-gpt2, small, qwen3-0.6b-shape and qwen3-embedding-0.6b-shape (Qwen3-0.6B's "
+    "dimensions, random weights), tiny-bert "
     "(an encoder: embeddings), tiny-embed (a decoder with last-token pooling: embeddings and "
     "generation)",
     "tokenizer": "tokenizer directory (default: the model directory)",

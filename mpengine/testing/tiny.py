@@ -355,7 +355,7 @@ def resolve_model(name: str) -> str:
             return snapshot
         raise FileNotFoundError(
             f"model directory {path!r} does not exist, and {name!r} is not a Hugging Face hub "
-            "model in the local cache (download it first: huggingface-cli download NAME)"
+            "model in the local cache (download it first: hf download NAME)"
         )
     if name not in KNOWN_MODELS:
         raise ValueError(
