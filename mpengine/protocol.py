@@ -193,7 +193,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
         total = sum(map(len, self.stop))
         if total > MAX_STOP_TOTAL_CHARS:
             raise ValueError(
-                f"stop strings have {total} characters in all; at most {MAX_STOP_TOTAL_CHARS}"
+                f"stop: the stop strings have {total} characters in all; at most "
+                f"{MAX_STOP_TOTAL_CHARS}"
             )
         for name in ("temperature", "repetition_penalty", "length_penalty"):
             if not math.isfinite(getattr(self, name)):

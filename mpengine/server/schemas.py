@@ -29,7 +29,10 @@ logger = logging.getLogger(__name__)
 
 _JSON = msgspec.json.Encoder()
 _IGNORED_LOGGED: set[tuple[str, str]] = set()  # (request kind, field): warned once each
-CHAT_TEMPLATE_REFUSED = "chat_template in a request is not accepted: the model's own is used"
+CHAT_TEMPLATE_REFUSED = (
+    "chat_template in a request is not accepted: the server's is used (the model's, or "
+    "--chat-template)"
+)
 
 
 def unicode_text(value: Any) -> Any:

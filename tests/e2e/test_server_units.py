@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from mpengine.errors import EngineDeadError, InvalidRequestError
 from mpengine.metrics import ServerMetrics
-from mpengine.protocol import EngineStats
+from mpengine.protocol import EngineStats, SamplingParams
 from mpengine.server.completions import _prompts
 from mpengine.server.errors import APIError, field_of, from_engine
 from mpengine.server.health import EngineMonitor
@@ -67,6 +67,9 @@ def test_messages_name_their_field() -> None:
     assert field_of("Expected `int` >= 0 - at `key` in `$.logit_bias`") == "logit_bias"
     assert field_of("temperature must be finite") == "temperature"
     assert field_of("stop: beam search does not support stop, logprobs") == "stop"
+    with pytest.raises(ValueError) as too_long:  # (its message named no field)
+        SamplingParams(stop=["x" * 4000] * 5)
+    assert field_of(str(too_long.value)) == "stop"
 
 
 @pytest.mark.parametrize(
