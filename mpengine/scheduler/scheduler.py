@@ -464,7 +464,10 @@ class Scheduler:
         """A beam step was decided: each beam now continues a parent beam's tokens plus one.
         The first child of a parent takes over all the parent's blocks; other children
         share its full blocks and recompute the rest (fewer than ``block_size`` tokens), so
-        no block is ever copied. New references are taken before the old ones are dropped."""
+        no block is ever copied. New references are taken before the old ones are dropped.
+        Only what differs from the beam's own row is touched (references, the executor's
+        block table, registration): beams share most of their context, and redoing it all
+        made each step cost the context's length per beam (11 ms at width 32 and 2k)."""
         children = list(
             zip(
                 feedback.beam_seq_ids.numpy().tolist(),
@@ -477,31 +480,46 @@ class Scheduler:
         if any(seqs.get(i) is None or seqs.get(p) is None for i, p, _ in children):
             return  # the group was aborted meanwhile
         old = {
-            seq_id: (seq.token_ids, seq.block_ids, seq.num_computed, seq.block_hashes)
+            seq_id: (
+                seq.token_ids,
+                seq.block_ids,
+                seq.num_computed,
+                seq.block_hashes,
+                seq.num_registered,
+            )
             for seq_id, seq in ((i, seqs[i]) for i, _, _ in children)
         }
         bs = self.blocks.block_size
         owners: set[int] = set()
+        dropped: list[int] = []
         for seq_id, parent, token in children:
             seq = seqs[seq_id]
-            tokens, blocks, computed, hashes = old[parent]
+            tokens, blocks, computed, hashes, registered = old[parent]
+            mine = old[seq_id][1]
             seq.token_ids = [*tokens, token]  # the parent's confirmed tokens and the new one
             seq.num_inflight = 0  # (its own sample is dropped)
             if seq.status is not Status.RUNNING:  # preempted meanwhile: it will recompute
-                seq.block_ids, seq.num_computed, seq.block_hashes = [], 0, []
+                row, seq.num_computed = [], 0
             elif parent not in owners:
                 owners.add(parent)
-                seq.block_ids, seq.num_computed = self.blocks.share(blocks), computed
+                row, seq.num_computed = blocks, computed
             else:
                 keep = computed // bs
-                seq.block_ids, seq.num_computed = self.blocks.share(blocks[:keep]), keep * bs
+                row, seq.num_computed = blocks[:keep], keep * bs
+            same = 0  # the blocks the beam's own row already holds there
+            limit = min(len(mine), len(row))
+            while same < limit and mine[same] == row[same]:
+                same += 1
+            self.blocks.share(row[same:])
+            dropped += mine[same:]
+            seq.block_ids = list(row)
             seq.block_hashes = list(hashes[: seq.num_computed // bs])
-            seq.num_registered = 0  # registering again is a no-op for named blocks
+            # The parent's blocks it registered are the same blocks (named, or to be).
+            seq.num_registered = min(registered, seq.num_computed // bs)
             if seq.slot >= 0:
-                self._table_updates += [(seq.slot, i, b) for i, b in enumerate(seq.block_ids)]
+                self._table_updates += [(seq.slot, i, row[i]) for i in range(same, len(row))]
             self.counters["generated_tokens"] += 1
-        for _, blocks, _, _ in old.values():
-            self.blocks.free(blocks)
+        self.blocks.free(dropped)
 
     # -- the step -------------------------------------------------------------------------
 
