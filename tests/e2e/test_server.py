@@ -461,6 +461,22 @@ def test_prompt_logprobs_in_vllm_shape(api: openai.OpenAI, server: Served, ipc) 
     body = {"model": "tiny", "prompt": ids[:1], "max_tokens": 1, "prompt_logprobs": 1}
     status, reply = http(server, "/v1/completions", body)
     assert status == 200 and reply["choices"][0]["prompt_logprobs"] == [None], reply
+    # n choices of a prompt repeat its echo and prompt logprobs (built once), streamed too
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 2, "n": 3, "echo": True}
+    body.update(logprobs=1, prompt_logprobs=2, temperature=1.0, seed=3)
+    status, reply = http(server, "/v1/completions", body)
+    choices = reply["choices"]
+    assert status == 200 and len(choices) == 3
+    assert all(c["prompt_logprobs"] == choices[0]["prompt_logprobs"] for c in choices)
+    heads = [c["logprobs"]["token_logprobs"][: len(ids)] for c in choices]
+    assert heads[0][0] is None and all(h == heads[0] for h in heads)
+    firsts = {}
+    extra = {"prompt_logprobs": 2, "seed": 3}
+    standard = {k: v for k, v in body.items() if k not in extra}
+    for chunk in api.completions.create(**standard, extra_body=extra, stream=True):
+        for c in chunk.choices:
+            firsts.setdefault(c.index, c.logprobs.token_logprobs[: len(ids)])
+    assert sorted(firsts) == [0, 1, 2] and all(f == heads[0] for f in firsts.values())
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(api: openai.OpenAI, server: Served, ipc):
