@@ -438,8 +438,7 @@ class Engine:
             reason += f": {message}"
         self.dead = reason
         logger.error("%s: stopping the engine", reason)
-        for client in list(self._clients):
-            client._engine_died(reason)
+        self._end_clients(reason)
         for callback in list(self._death_callbacks):
             callback(reason)
         self._stop_all(grace=0.5)
@@ -447,13 +446,19 @@ class Engine:
 
     def _failure_of(self, stage: str) -> str | None:
         """What a stage that raised reported before it left (None when it was killed)."""
-        conn = self.processes[stage].conn
+        conn, decoder = self.processes[stage].conn, control_decoder()
         with contextlib.suppress(EOFError, OSError, msgspec.DecodeError):
             while conn.poll(0):
-                msg = control_decoder().decode(conn.recv_bytes())
+                msg = decoder.decode(conn.recv_bytes())
                 if isinstance(msg, StageFailed):
                     return msg.message
         return None
+
+    def _end_clients(self, reason: str) -> None:
+        """Fail what this engine's clients wait for, with ``reason``, before they see its
+        sockets close (which says only that it stopped or died)."""
+        for client in list(self._clients):
+            client._engine_died(reason)
 
     def on_death(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` (from the supervisor thread) if a stage dies."""
@@ -508,8 +513,7 @@ class Engine:
             return
         if drain and self.dead is None and self.processes:
             self.drain(drain_timeout)
-        for client in list(self._clients):  # (before they see the engine's sockets close)
-            client._engine_died("the engine was shut down")
+        self._end_clients("the engine was shut down")
         self._stop_all()
 
     # -- drain ----------------------------------------------------------------------------

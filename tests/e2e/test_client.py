@@ -588,17 +588,13 @@ def test_a_late_reader_still_gets_a_request_that_ended(client):
     first = next(stream)
     request = stream.gi_frame.f_locals["request"]  # (the generator's own request)
     deadline = time.monotonic() + 30
-    while not request.ended or time.monotonic() < request_deadline(stream):  # (polls)
+    passed = stream.gi_frame.f_locals["deadline"].at
+    while not request.ended or time.monotonic() < passed:  # (polls)
         assert time.monotonic() < deadline, "the request did not end"
         time.sleep(0.01)
     rest = list(stream)  # past the deadline, and nothing lost
     assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 4
     assert rest[-1].finished
-
-
-def request_deadline(stream) -> float:
-    deadline = stream.gi_frame.f_locals["deadline"]
-    return deadline.at
 
 
 def test_a_stream_dropped_while_its_thread_submits_does_not_hang(client):

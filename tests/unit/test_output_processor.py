@@ -428,27 +428,38 @@ def test_abort_client_returns_final_deltas_and_reports_them(proc: OutputProcesso
     assert proc.abort_client("slow", "again") == []
 
 
+def sampled_step(
+    number: int, seq_ids: list[int], token: int, values: list[float], failed: tuple[int, ...] = ()
+) -> StepResult:
+    """Step ``number``: each of ``seq_ids`` sampled ``token`` with logprob ``values[i]``
+    (no alternatives); ``failed`` sequences failed in it."""
+    num = len(seq_ids)
+    logprobs = Logprobs(
+        Array.of([token] * num),
+        Array.of(values, "float32"),
+        Array.of(np.zeros((num, 0)), "int32"),
+        Array.of(np.zeros((num, 0)), "float32"),
+    )
+    return StepResult(
+        number,
+        Array.of(seq_ids, "int64"),
+        Array.of([token] * num),
+        logprobs=logprobs,
+        logprob_rows=Array.of(list(range(num))),
+        failed_seq_ids=Array.of(list(failed), "int64"),
+        errors=["boom"] * len(failed),
+    )
+
+
 def test_best_of_holds_every_sample_and_returns_the_n_most_likely(
     proc: OutputProcessor, tok: Tokenizer
 ) -> None:
     params = SamplingParams(n=2, best_of=3, max_tokens=2, ignore_eos=True)
     proc.announce(NewRequest("r", "c1", [1, 2, 3], 7, params, None, 100.0, 101.0))
-    ids = tok.encode("ab").ids[:1] * 3
+    token = tok.encode("ab").ids[0]
 
     def step(number: int, values: list[float]) -> StepResult:
-        lp = Logprobs(
-            Array.of(ids),
-            Array.of(values, "float32"),
-            Array.of(np.zeros((3, 0)), "int32"),
-            Array.of(np.zeros((3, 0)), "float32"),
-        )
-        return StepResult(
-            number,
-            Array.of([1, 2, 3], "int64"),
-            Array.of(ids),
-            logprobs=lp,
-            logprob_rows=Array.of([0, 1, 2]),
-        )
+        return sampled_step(number, [1, 2, 3], token, values)
 
     feedback, out = proc.process(step(0, [-1.0, -0.5, -3.0]))
     assert out == [] and feedback.seq_ids.numpy().tolist() == [1, 2, 3]  # held, not sent
@@ -467,27 +478,9 @@ def test_best_of_ranks_a_failed_sample_last(proc: OutputProcessor, tok: Tokenize
     best_of returned the error and dropped the samples that finished."""
     params = SamplingParams(n=1, best_of=3, max_tokens=2, ignore_eos=True)
     proc.announce(NewRequest("r", "c1", [1, 2, 3], 7, params, None, 100.0, 101.0))
-    ids = tok.encode("ab").ids[:1] * 2
-
-    def step(number: int, values: list[float], failed: list[int]) -> StepResult:
-        lp = Logprobs(
-            Array.of(ids),
-            Array.of(values, "float32"),
-            Array.of(np.zeros((2, 0)), "int32"),
-            Array.of(np.zeros((2, 0)), "float32"),
-        )
-        return StepResult(
-            number,
-            Array.of([2, 3], "int64"),
-            Array.of(ids),
-            logprobs=lp,
-            logprob_rows=Array.of([0, 1]),
-            failed_seq_ids=Array.of(failed, "int64"),
-            errors=["boom"] * len(failed),
-        )
-
-    proc.process(step(0, [-1.0, -0.5], failed=[1]))
-    feedback, out = proc.process(step(1, [-1.0, -2.0], failed=[]))
+    token = tok.encode("ab").ids[0]
+    proc.process(sampled_step(0, [2, 3], token, [-1.0, -0.5], failed=(1,)))
+    feedback, out = proc.process(sampled_step(1, [2, 3], token, [-1.0, -2.0]))
     assert sorted(feedback.finished_seq_ids) == [2, 3]
     ((_, delta),) = out
     assert (delta.index, delta.finish_reason, delta.error) == (0, "length", None)
