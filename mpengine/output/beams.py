@@ -7,9 +7,12 @@ the executor, ``K = max(2, 1 + #stop ids) * width``); this picks, as transformer
 continuations over all beams, the ``width`` best of those that do not stop (the running
 beams of the next step) and the finished hypotheses, with the length penalty and the
 early-stopping rule. Scores are float32, added and divided in the same order as there.
-Tokens live in one ``[width, capacity]`` array per request (no Python object per token),
-the capacity doubling as the beams grow: a step costs what the beams hold, not what
-``max_tokens`` (all the context left, when unset) would allow.
+Tokens are kept as back-pointers: for each step, every running beam's parent beam and new
+token (two ``[capacity, width]`` arrays per request, the capacity doubling as the beams
+grow; no Python object per token). A finished hypothesis is the step and beam it left
+from plus its last token; its tokens are read back only when the search ends. A step
+costs the same at any length, not what the beams hold nor what ``max_tokens`` (all the
+context left, when unset) would allow.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from mpengine.protocol import SamplingParams
 
 NEG = np.float32(-1.0e9)
 INITIAL_CAPACITY = 64  # tokens per beam, before the first doubling
+EMPTY = -2  # a finished-hypothesis slot not filled yet
 
 
 @dataclass(slots=True)
@@ -41,11 +45,16 @@ class BeamGroup:
         self.early_stopping = params.early_stopping
         self.length = 0  # tokens generated so far by every running beam
         capacity = min(max_tokens, INITIAL_CAPACITY)
-        self.tokens = np.zeros((width, capacity), np.int32)
+        # Row t: each running beam's parent among the beams of row t - 1, and its token t.
+        self.parents = np.zeros((capacity, width), np.int32)
+        self.tokens = np.zeros((capacity, width), np.int32)
         self.scores = np.full(width, NEG, np.float32)
         self.scores[0] = 0.0  # every beam starts from the prompt: count it once
-        self.finished_tokens = np.zeros((width, capacity), np.int32)
-        self.finished_lengths = np.zeros(width, np.int64)
+        # Finished hypotheses: the tokens of beam `finished_beams` after row `finished_rows`
+        # (-1: none), then `finished_last`; row EMPTY: an empty slot.
+        self.finished_rows = np.full(width, EMPTY, np.int64)
+        self.finished_beams = np.zeros(width, np.int64)
+        self.finished_last = np.zeros(width, np.int32)
         self.finished_scores = np.full(width, NEG, np.float32)
         self.is_finished = np.zeros(width, bool)
         self.improvable = True  # transformers' is_early_stop_heuristic_unsatisfied
@@ -66,7 +75,7 @@ class BeamGroup:
         token (only meaningful while not ``done``)."""
         self._reported[:] = False
         width, k = self.width, self.num_candidates
-        if self.length == self.tokens.shape[1]:
+        if self.length == self.tokens.shape[0]:
             self._grow()
         accumulated = (self.scores[:, None] + self._logprobs).reshape(-1)
         order = np.argsort(-accumulated, kind="stable")[:k]
@@ -78,8 +87,8 @@ class BeamGroup:
         # The running beams of the next step: the best that did not stop.
         running_scores = top_scores + stops.astype(np.float32) * NEG
         keep = np.argsort(-running_scores, kind="stable")[:width]
-        new_tokens = self.tokens[parents[keep]].copy()
-        new_tokens[:, self.length] = tokens[keep]
+        self.parents[self.length] = parents[keep]
+        self.tokens[self.length] = tokens[keep]
 
         # Finished hypotheses: candidates among the first `width` that stopped.
         just_finished = stops & (np.arange(k) < width)
@@ -91,19 +100,13 @@ class BeamGroup:
         final = final + (~just_finished).astype(np.float32) * NEG
         merged = np.concatenate([self.finished_scores, final])
         best = np.argsort(-merged, kind="stable")[:width]
-        candidate_tokens = self.tokens[parents].copy()
-        candidate_tokens[:, self.length] = tokens
-        merged_tokens = np.concatenate([self.finished_tokens, candidate_tokens])
-        merged_lengths = np.concatenate(
-            [self.finished_lengths, np.full(k, self.length + 1, np.int64)]
-        )
-        merged_finished = np.concatenate([self.is_finished, just_finished])
         self.finished_scores = merged[best]
-        self.finished_tokens = merged_tokens[best]
-        self.finished_lengths = merged_lengths[best]
-        self.is_finished = merged_finished[best]
+        self.finished_rows = np.concatenate([self.finished_rows, np.full(k, self.length - 1)])[best]
+        self.finished_beams = np.concatenate([self.finished_beams, parents])[best]
+        self.finished_last = np.concatenate([self.finished_last, tokens])[best]
+        self.is_finished = np.concatenate([self.is_finished, just_finished])[best]
 
-        self.tokens, self.scores = new_tokens, running_scores[keep]
+        self.scores = running_scores[keep]
         self.length += 1
         self._check_improvable()
         self.done = (
@@ -113,12 +116,26 @@ class BeamGroup:
         )
         return parents[keep], tokens[keep]
 
+    def beam_tokens(self, rows: list[int], beams: list[int]) -> list[np.ndarray]:
+        """The tokens of running beam ``beams[i]`` after step ``rows[i]`` (none for -1 or
+        less), read back through the parents."""
+        top = max(rows, default=-1)
+        parents, tokens = self.parents[: top + 1].tolist(), self.tokens[: top + 1].tolist()
+        paths = []
+        for row, beam in zip(rows, beams, strict=True):
+            path = [0] * max(row + 1, 0)
+            for r in range(row, -1, -1):
+                path[r] = tokens[r][beam]
+                beam = parents[r][beam]
+            paths.append(np.array(path, np.int32))
+        return paths
+
     def _grow(self) -> None:
-        """Double the token arrays' capacity (up to ``max_tokens``)."""
-        capacity = min(self.max_tokens, 2 * self.tokens.shape[1])
-        pad = ((0, 0), (0, capacity - self.tokens.shape[1]))
+        """Double the history's capacity (up to ``max_tokens``)."""
+        capacity = min(self.max_tokens, 2 * self.tokens.shape[0])
+        pad = ((0, capacity - self.tokens.shape[0]), (0, 0))
+        self.parents = np.pad(self.parents, pad)
         self.tokens = np.pad(self.tokens, pad)
-        self.finished_tokens = np.pad(self.finished_tokens, pad)
 
     def _check_improvable(self) -> None:
         if self.early_stopping == "never" and self.length_penalty > 0.0:
@@ -131,9 +148,13 @@ class BeamGroup:
 
     def best(self, n: int) -> list[Hypothesis]:
         """The ``n`` best finished hypotheses, best first."""
+        paths = self.beam_tokens(self.finished_rows[:n].tolist(), self.finished_beams[:n].tolist())
         return [
-            Hypothesis(self.finished_tokens[i, : self.finished_lengths[i]], float(score))
-            for i, score in enumerate(self.finished_scores[:n])
+            Hypothesis(
+                path if self.finished_rows[i] == EMPTY else np.append(path, self.finished_last[i]),
+                float(self.finished_scores[i]),
+            )
+            for i, path in enumerate(paths)
         ]
 
 

@@ -41,8 +41,9 @@ def test_extreme_length_penalties_finish_without_errors(
 @pytest.mark.parametrize("early_stopping", [False, True])
 def test_a_step_costs_what_the_beams_hold_not_max_tokens(early_stopping: bool) -> None:
     """The token arrays were ``[width, max_tokens]`` and copied whole every step: with the
-    context left as ``max_tokens`` (131,072) a width-10 step took 35 ms. They now grow with
-    the beams, to the same hypotheses as a search whose arrays start at full size."""
+    context left as ``max_tokens`` (131,072) a width-10 step took 35 ms. The history now
+    grows with the beams, to the same hypotheses as a search whose arrays start at full
+    size; a step writes one row of it."""
     params = SamplingParams(n=4, use_beam_search=True, early_stopping=early_stopping)
     rng = np.random.default_rng(1)
     steps = []
@@ -58,8 +59,8 @@ def test_a_step_costs_what_the_beams_hold_not_max_tokens(early_stopping: bool) -
     def search(max_tokens: int, capacity: int | None = None) -> BeamGroup:
         group = BeamGroup(params, max_tokens=max_tokens, stop_ids=frozenset({0}))
         if capacity is not None:  # arrays at full size from the start, as before
-            group.tokens = np.zeros((group.width, capacity), np.int32)
-            group.finished_tokens = np.zeros((group.width, capacity), np.int32)
+            group.parents = np.zeros((capacity, group.width), np.int32)
+            group.tokens = np.zeros((capacity, group.width), np.int32)
         for step in steps:
             for beam, (ids, logprobs) in enumerate(step):
                 group.report(beam, ids, logprobs.astype(np.float32))
@@ -70,7 +71,28 @@ def test_a_step_costs_what_the_beams_hold_not_max_tokens(early_stopping: bool) -
 
     grown, full = search(131_072), search(131_072, capacity=131_072)
     assert grown.length == full.length > 64  # (past the first doubling)
-    assert grown.tokens.shape[1] <= 2 * grown.length
+    assert grown.tokens.shape[0] <= 2 * grown.length
     assert [(h.token_ids.tolist(), h.score) for h in grown.best(4)] == [
         (h.token_ids.tolist(), h.score) for h in full.best(4)
     ]
+
+
+def test_beams_read_back_through_their_parents_are_the_tokens_each_step_chose() -> None:
+    """The history keeps only each step's parents and tokens: the running beams read back
+    from it are the sequences the returned (parent, token) pairs build, at every step."""
+    params = SamplingParams(n=6, use_beam_search=True, early_stopping="never")
+    group = BeamGroup(params, max_tokens=300, stop_ids=frozenset({0, 1}))
+    rng = np.random.default_rng(2)
+    k = group.num_candidates
+    sequences: list[list[int]] = [[] for _ in range(group.width)]
+    for _ in range(299):
+        for beam in range(group.width):
+            ids = rng.permutation(40)[:k]
+            group.report(beam, ids, np.sort(rng.uniform(-5, -0.1, k).astype(np.float32))[::-1])
+        parents, tokens = group.step()
+        sequences = [sequences[p] + [int(t)] for p, t in zip(parents, tokens, strict=True)]
+        row = group.length - 1
+        read = group.beam_tokens([row] * group.width, list(range(group.width)))
+        assert [r.tolist() for r in read] == sequences
+    best = group.best(group.width)
+    assert all(h.token_ids.dtype == np.int32 and len(h.token_ids) >= 1 for h in best)
