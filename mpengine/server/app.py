@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mpengine import __version__
 from mpengine.metrics import CONTENT_TYPE
-from mpengine.server.chat import chat_prompt, create_chat_completion
+from mpengine.server.chat import chat_prompt, create_chat_completion, tokenize_chat
 from mpengine.server.completions import create_completion
 from mpengine.server.embeddings import create_embedding
 from mpengine.server.errors import APIError, install_handlers
@@ -139,19 +139,14 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", "prompt")
+        if body.tools is not None and body.messages is None:
+            raise APIError(400, "tools are rendered with messages: give messages", "tools")
         if body.chat_template is not None:
             raise APIError(400, CHAT_TEMPLATE_REFUSED, "chat_template")
         if body.messages is not None:
             if not body.messages:  # as chat completions refuse it
                 raise APIError(400, "messages is empty: give at least one message", "messages")
-            given = {"add_generation_prompt"} & body.model_fields_set  # (defaults stay so)
-            chat = ChatCompletionRequest(
-                messages=body.messages,
-                continue_final_message=body.continue_final_message,
-                chat_template_kwargs=body.chat_template_kwargs,
-                **{name: getattr(body, name) for name in given},
-            )
-            ids = await chat_prompt(state, chat)
+            ids = await chat_prompt(state, tokenize_chat(body))
         else:
             (ids,) = await state.text.encode([body.prompt or ""], body.add_special_tokens)
         strs = state.text.token_strs(ids) if body.return_token_strs else None

@@ -29,11 +29,26 @@ from mpengine.server.schemas import (
     ChatCompletionRequest,
     ChatDelta,
     ChatLogprobs,
+    TokenizeRequest,
     Usage,
 )
 from mpengine.server.sse import DONE, event, stream_response
 from mpengine.server.state import ServerState
 from mpengine.server.text import message_dicts
+
+
+def tokenize_chat(body: TokenizeRequest) -> ChatCompletionRequest:
+    """The chat request whose prompt ``/tokenize`` counts: the messages, tools and template
+    options given; chat's defaults for the rest (no special tokens added to the rendered
+    template, as vLLM's ``TokenizeChatRequest``)."""
+    given = {"add_generation_prompt", "add_special_tokens"} & body.model_fields_set
+    return ChatCompletionRequest(
+        messages=body.messages,
+        continue_final_message=body.continue_final_message,
+        chat_template_kwargs=body.chat_template_kwargs,
+        tools=body.tools,
+        **{name: getattr(body, name) for name in given},
+    )
 
 
 async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:

@@ -319,6 +319,7 @@ class TokenizeRequest(RequestModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # refused, as for chat completions
+    tools: list[dict[str, Any]] | None = None  # (messages only) rendered as chat renders them
     return_token_strs: bool = False
 
 

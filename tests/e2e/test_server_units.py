@@ -18,10 +18,16 @@ from pydantic import ValidationError
 from mpengine.errors import EngineDeadError, InvalidRequestError
 from mpengine.metrics import ServerMetrics
 from mpengine.protocol import EngineStats, SamplingParams
+from mpengine.server.chat import tokenize_chat
 from mpengine.server.completions import _prompts
 from mpengine.server.errors import APIError, field_of, from_engine
 from mpengine.server.health import EngineMonitor
-from mpengine.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from mpengine.server.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    TokenizeRequest,
+)
 from mpengine.server.state import ServerState
 from mpengine.server.text import (
     TextTools,
@@ -447,6 +453,22 @@ def test_tools_with_tool_choice_none_reach_the_template(tmp_path: Path) -> None:
     )
     ids = asyncio.run(chat_prompt(state, body))
     assert state.text.decode(ids) == "[get_weather]hi"
+    # /tokenize counts the same prompt: its tools were ignored (with a warning)
+    counted = TokenizeRequest(messages=[{"role": "user", "content": "hi"}], tools=tools)
+    assert asyncio.run(chat_prompt(state, tokenize_chat(counted))) == ids
+
+
+def test_tokenize_takes_add_special_tokens_for_messages() -> None:
+    """Chat's default (the rendered template holds its special tokens) unless the request
+    says otherwise; it was ignored for messages."""
+    from mpengine.server.chat import chat_prompt
+
+    state = SimpleNamespace(text=TextTools(resolve_model("tiny-llama")))  # (adds a BOS)
+    messages = [{"role": "user", "content": "hi"}]
+    plain = asyncio.run(chat_prompt(state, tokenize_chat(TokenizeRequest(messages=messages))))
+    given = TokenizeRequest(messages=messages, add_special_tokens=True)
+    with_bos = asyncio.run(chat_prompt(state, tokenize_chat(given)))
+    assert len(with_bos) == len(plain) + 1 and with_bos[1:] == plain
 
 
 def test_unknown_fields_are_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
