@@ -6,8 +6,9 @@ One token-budget model, no prefill or decode phases: each running sequence catch
 
 1. apply feedback: confirmed tokens, finished sequences (their blocks are released once no
    planned step still touches them), pending releases whose last step is now done;
-2. running sequences, oldest admission first; when one's next chunk needs blocks the cache
-   lacks, preempt the most recently admitted running sequence: by recompute (drop its
+2. running sequences, in the order they were admitted or resumed; when one's next chunk
+   needs blocks the cache lacks, preempt the most recently admitted running sequence (with
+   ``scheduling_policy="priority"``, the least urgent one): by recompute (drop its
    blocks, requeue it; it resumes by recomputing prompt + outputs, its stream goes on
    seamlessly) or, with ``preemption_mode="swap"``, by copying its blocks to host memory
    (the plan lists the copies; they come back when it resumes);
@@ -16,10 +17,11 @@ One token-budget model, no prefill or decode phases: each running sequence catch
 4. emit the plan: per sequence slot, start, chunk tokens (``-1`` for the in-flight sample the
    executor holds), whether to sample; new slot states; block-table deltas.
 
-With ``scheduling_policy="priority"`` the waiting and running queues are kept in order of
-(priority, arrival), lower numbers first: admission takes the most urgent request, and
-preemption the least urgent, most recent sequence; preempted sequences resume most urgent
-first.
+With ``scheduling_policy="priority"`` (lower numbers first) priority decides who is admitted
+or resumed (the most urgent, then the earliest) and who is preempted (the least urgent, then
+the latest, even one given a chunk earlier in the same step, which gives it back), as in
+vLLM; it does not reorder the running list, so an urgent prompt's prefill takes the budget
+that the running decodes leave, and their streams go on meanwhile.
 
 Under async depth 1 the plan for step ``s`` is built before step ``s - 1``'s feedback: a
 decoding sequence is assumed to gain its in-flight token (``num_inflight``), and one that
@@ -540,7 +542,7 @@ class Scheduler:
         block_deltas, self._table_updates = self._table_updates, []
         preempted_now = False
 
-        # 1. running sequences, oldest first
+        # 1. running sequences, in admission order
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -554,6 +556,7 @@ class Scheduler:
             need = self._blocks_needed(seq, num_tokens) - len(seq.block_ids)
             while not self.blocks.can_allocate(need):
                 victim = self._victim(index)
+                budget += self._give_back(victim, chunks)
                 self._preempt(victim)
                 preempted_now = True
                 if victim is seq:
@@ -591,25 +594,35 @@ class Scheduler:
             plan.released_requests = Array.of(released, "int64")
         return plan
 
-    def _enqueue(self, queue: list, item: Sequence, priority: int) -> None:
-        """Append ``item`` to the running list (at most ``max_num_seqs``); by priority,
-        after the last item of its priority or a more urgent one (a lower number), so it
-        stays ordered by (priority, arrival): preemption takes its tail."""
-        index = len(queue)
-        if self.by_priority:
-            while index and _priority(queue[index - 1]) > priority:
-                index -= 1
-        queue.insert(index, item)
-
     def _victim(self, index: int) -> Sequence:
-        """The most recently admitted running sequence after ``index`` that holds blocks
-        (preempting one without blocks frees nothing), else a beam that holds blocks while
-        it waits for its beam step (it cannot move before its group does), else the one at
-        ``index`` itself."""
-        for victim in reversed(self.running[index + 1 :]):
-            if victim.block_ids:
-                return victim
-        return self._waiting_beam(exclude=self.running[index]) or self.running[index]
+        """Who gives way to ``running[index]``: the most recently admitted running sequence
+        after it that holds blocks (preempting one without blocks frees nothing); by
+        priority, the least urgent one that holds blocks, if it is less urgent than
+        ``running[index]``; else a beam that holds blocks while it waits for its beam step
+        and may give way (``_waiting_beam``), else ``running[index]`` itself."""
+        seq = self.running[index]
+        if self.by_priority:
+            holders = [s for s in self.running if s.block_ids and s is not seq]
+            least = max(holders, key=_urgency, default=None)
+            if least is not None and _urgency(least) > _urgency(seq):
+                return least
+        else:
+            for victim in reversed(self.running[index + 1 :]):
+                if victim.block_ids:
+                    return victim
+        return self._waiting_beam(seq) or seq
+
+    def _give_back(self, seq: Sequence, chunks: list) -> int:
+        """Take back the chunk ``seq`` was given earlier in this step (a victim chosen by
+        priority may stand before the sequence it gives way to): the tokens returned to the
+        budget. Its blocks go with its preemption."""
+        for i, (chunked, num_tokens) in enumerate(chunks):
+            if chunked is seq:
+                del chunks[i]
+                if self._scores_prompt(seq):
+                    self._prompt_logprob_tokens += num_tokens
+                return num_tokens
+        return 0
 
     def _admit(self, step: int, budget: int, chunks: list, block_deltas: list) -> int:
         """Resume preempted sequences and admit waiting requests, in turn by priority (a
@@ -651,18 +664,18 @@ class Scheduler:
             ready = [s for s in self.preempted if not s.num_inflight]
             if not ready:
                 return None
-            seq = min(ready, key=lambda s: s.request.priority) if self.by_priority else ready[0]
+            seq = min(ready, key=_urgency) if self.by_priority else ready[0]
             if seq.host_block_ids:
                 num_tokens, need = self._swap_in_place(seq, budget)
             else:
                 num_tokens, need = self._place(seq, budget, 0, 0, whole=True)
             if num_tokens == 0:
-                if self._preempt_waiting_beam():
+                if self._preempt_waiting_beam(seq):
                     continue  # its blocks may be enough now
                 return None
             self.preempted.remove(seq)
             seq.status = Status.RUNNING
-            self._enqueue(self.running, seq, seq.request.priority)
+            self.running.append(seq)
             self._grow(seq, need, block_deltas)
             self._take(seq, num_tokens, chunks)
             logger.debug("step %d: resumed seq %d (%d tokens)", step, seq.seq_id, len(seq))
@@ -692,29 +705,31 @@ class Scheduler:
         self._announce(request)
         for seq in request.seqs:
             seq.status = Status.RUNNING
-            self._enqueue(self.running, seq, request.priority)
+            self.running.append(seq)
         self._grow(parent, need, block_deltas)
         self._take(parent, num_tokens, chunks)
         logger.debug("step %d: admitted %s", step, request.request_id)
         return num_tokens
 
-    def _preempt_waiting_beam(self) -> bool:
-        """Preempt the most recent running beam that holds blocks while it waits for its
-        beam step (it computed its last token; its group waits on beams that cannot run):
-        without this, such beams can hold every block while the ones their step needs are
-        preempted, and no one moves. True if one was preempted."""
-        victim = self._waiting_beam()
+    def _preempt_waiting_beam(self, seq: Sequence) -> bool:
+        """Preempt, for ``seq``, a running beam that holds blocks while it waits for its
+        beam step (``_waiting_beam``): without this, such beams can hold every block while
+        the ones their step needs are preempted, and no one moves. True if one was."""
+        victim = self._waiting_beam(seq)
         if victim is not None:
             self._preempt(victim)
         return victim is not None
 
-    def _waiting_beam(self, exclude: Sequence | None = None) -> Sequence | None:
-        """The most recent running beam other than ``exclude`` that holds blocks while it
-        waits for its beam step."""
-        for seq in reversed(self.running):
-            waits = seq.num_inflight and seq.request.beam_search
-            if waits and seq.block_ids and seq is not exclude:
-                return seq
+    def _waiting_beam(self, seq: Sequence) -> Sequence | None:
+        """The most recent running beam other than ``seq`` that holds blocks while it waits
+        for its beam step (it computed its last token; its group waits on beams that cannot
+        run) and may give way to ``seq``: a beam of the same request, or of a request that
+        arrived later (by priority: that is less urgent)."""
+        for beam in reversed(self.running):
+            waits = beam.num_inflight and beam.request.beam_search and beam.block_ids
+            gives_way = beam.request is seq.request or _urgency(beam) > _urgency(seq)
+            if waits and gives_way and beam is not seq:
+                return beam
         return None
 
     def _place(
@@ -1116,5 +1131,7 @@ class Scheduler:
         }
 
 
-def _priority(item: Request | Sequence) -> int:
-    return item.priority if isinstance(item, Request) else item.request.priority
+def _urgency(seq: Sequence) -> tuple[int, int, int]:
+    """Higher for a sequence that gives way first: lower priority (a higher number), then
+    later arrival (the request key counts arrivals), then a later sample."""
+    return seq.request.priority, seq.request.key, seq.sample_index

@@ -507,3 +507,126 @@ def test_aborting_a_swapped_sequence_frees_its_host_blocks():
         if rid not in aborted:
             expected = reference_generate(prompt, 20, EOS, VOCAB)
             assert output.outputs[seq_ids[rid]] == expected, rid
+
+
+def _priority_scheduler(num_blocks: int, budget: int, max_num_seqs: int = 8) -> Scheduler:
+    config = EngineConfig(
+        block_size=4,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        scheduling_policy="priority",
+    )
+    return Scheduler(config, num_blocks=num_blocks, vocab_size=VOCAB, max_model_len=512)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_an_urgent_prefill_takes_what_the_running_decodes_leave(lag):
+    """Priority orders admission and preemption, not the running list: an urgent long
+    prompt admitted while others decode is chunked from the budget they leave, and every
+    step goes on carrying their tokens (it took the whole budget until its prefill ended,
+    and their streams stopped meanwhile)."""
+    sched = _priority_scheduler(num_blocks=256, budget=32)
+    output = FakeOutput(eos=-1)
+    decodes = []
+    for i in range(4):
+        params = SamplingParams(max_tokens=40)
+        sched.add_request(AddRequest(f"d{i}", Array.of([10 + i] * 3), params), "c")
+        decodes.append(sched.requests["c", f"d{i}"].seqs[0].seq_id)
+    plans, urgent_ids = [], []
+
+    def on_step(sched, plan) -> None:
+        if len(plans) == 3:  # they decode: now the urgent prompt
+            urgent = SamplingParams(max_tokens=2)
+            sched.add_request(AddRequest("u", Array.of([20] * 300), urgent, priority=-1), "c")
+            urgent_ids.append(sched.requests["c", "u"].seqs[0].seq_id)
+        plans.append(plan)
+
+    run(sched, output, lag, on_step=on_step)
+    prefill = []
+    for plan in plans:
+        ids, sizes = plan.seq_ids.numpy().tolist(), plan.num_tokens.numpy().tolist()
+        chunks = dict(zip(ids, sizes, strict=True))
+        if chunks.get(urgent_ids[0], 0) > 1:
+            prefill.append(chunks)
+    # 28 tokens a step (the budget less the 4 decodes), 300 in 11 steps
+    assert [chunks[urgent_ids[0]] for chunks in prefill] == [28] * 10 + [20]
+    for chunks in prefill:
+        assert all(chunks.get(s) == 1 for s in decodes), "a running decode lost its turn"
+    assert all(output.finished[s] == "length" for s in decodes)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_victim_chosen_by_priority_gives_back_its_chunk(lag):
+    """By priority the least urgent sequence gives way, wherever it stands in the running
+    list: one given a chunk earlier in the same step gives the chunk back (tokens to the
+    budget, blocks to the cache) and is preempted, and every request still ends with the
+    reference outputs."""
+    given_back = []
+    for seed in range(4):
+        rng = random.Random(seed)
+        sched = _priority_scheduler(num_blocks=20, budget=16, max_num_seqs=6)
+        output = FakeOutput(EOS)
+        original = sched._give_back
+
+        def give_back(seq, chunks, original=original):
+            tokens = original(seq, chunks)
+            given_back.append(tokens)
+            return tokens
+
+        sched._give_back = give_back
+        prompts: dict[str, tuple[list[int], int]] = {}
+        seq_ids: dict[str, int] = {}
+
+        def arrive(sched, plan=None, rng=rng, prompts=prompts, seq_ids=seq_ids) -> None:
+            # Requests keep arriving, any priority: running is in admission order, so the
+            # least urgent may stand before the sequence that needs its blocks.
+            if len(prompts) < 24 and (plan is None or rng.random() < 0.5):
+                rid = f"r{len(prompts)}"
+                prompts[rid] = ([rng.randrange(6, VOCAB) for _ in range(rng.randint(1, 24))], 0)
+                prompts[rid] = (prompts[rid][0], rng.randint(1, 24))
+                params = SamplingParams(max_tokens=prompts[rid][1])
+                priority = rng.randint(0, 3)
+                sched.add_request(
+                    AddRequest(rid, Array.of(prompts[rid][0]), params, priority=priority), "client"
+                )
+                seq_ids[rid] = sched.requests["client", rid].seqs[0].seq_id
+
+        for _ in range(4):
+            arrive(sched)
+        run(sched, output, lag, on_step=arrive)
+        assert len(prompts) == 24 and sched.counters["preemptions"] > 0
+        for rid, (prompt, max_tokens) in prompts.items():
+            expected = reference_generate(prompt, max_tokens, EOS, VOCAB)
+            assert output.outputs[seq_ids[rid]] == expected, (seed, rid)
+        assert sched.blocks.num_free == sched.blocks.num_blocks
+    assert any(tokens > 0 for tokens in given_back), "no victim had been given a chunk"
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_a_later_request_does_not_preempt_a_beam_waiting_for_its_step(policy):
+    """A beam waiting for its beam step holds blocks it cannot use yet, and gives way to
+    its own group's beams (or they would wait on each other forever); to another
+    request's sequence only if that request is more urgent (by priority; under FCFS,
+    arrived first). An urgent beam search was preempted, again and again, for a
+    low-priority request's decode."""
+    config = EngineConfig(
+        block_size=4, max_num_seqs=8, max_num_batched_tokens=64, scheduling_policy=policy
+    )
+    sched = Scheduler(config, num_blocks=3, vocab_size=VOCAB, max_model_len=64)
+    beams = SamplingParams(n=2, use_beam_search=True, max_tokens=4)
+    urgent = AddRequest("beam", Array.of(list(range(10, 18))), beams)  # 2 blocks
+    low = AddRequest("low", Array.of([30, 31, 32, 33]), SamplingParams(max_tokens=4))  # 1
+    if policy == "priority":
+        low = AddRequest("low", low.prompt_token_ids, low.sampling, priority=5)
+    sched.add_request(urgent, "c")
+    sched.add_request(low, "c")
+    assert sched.schedule() is not None  # both prompts, both sample: every block is taken
+    assert sched.blocks.num_free == 0
+    beam = sched.requests["c", "beam"].seqs[0]
+    assert beam.num_inflight == 1 and not beam.wants_tokens()  # it waits for its beam step
+    # Under async depth 1 the next plan comes before that step's feedback: the low
+    # request's decode needs a block, and must not take the waiting beam's.
+    sched.schedule()
+    (preempted,) = sched.preempted
+    assert preempted.request.request_id == "low"
+    assert beam.status.name == "RUNNING" and beam.block_ids
