@@ -55,6 +55,7 @@ MAX_LOGPROBS = 20
 # Continuations of one beam returned per beam step: (1 + the tokens that end a beam, at
 # least 2) x the width, as transformers weighs them (so that ``width`` remain once those
 # ending the beam are set aside).
+PROMPT_TAIL_TOKENS = 5  # prompt tokens an output's detokenizer starts from (vLLM's offset)
 MAX_BEAM_CANDIDATES = 64
 MAX_N = 64
 INT32_MAX = 2**31 - 1
@@ -635,6 +636,9 @@ class NewRequest(msgspec.Struct, **_WIRE):
     arrival_time: float
     scheduled_time: float
     prompt_token_ids: Array | None = None  # only when prompt logprobs are asked for
+    # The prompt's last tokens (at most PROMPT_TAIL_TOKENS): the context its outputs are
+    # decoded in (a SentencePiece output's first "▁word" reads " word" after a prompt).
+    prompt_tail: Array | None = None
 
 
 class AbortRequests(msgspec.Struct, **_WIRE):

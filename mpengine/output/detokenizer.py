@@ -1,10 +1,14 @@
 """Incremental detokenization: token ids in, text out, one token at a time.
 
 The contract of a stream (:class:`ByteStream` or :class:`WindowStream`): the concatenation
-of everything ``push`` returned followed by ``flush()`` equals
-``tokenizer.decode(ids, skip_special_tokens=...)`` of all ids pushed, and ``push`` never
-returns the replacement character U+FFFD for a character whose bytes may still arrive
-(byte-level BPE splits CJK and emoji across tokens).
+of everything ``push`` returned followed by ``flush()`` is the text the ids pushed add after
+the stream's context (the prompt's last tokens), ``decode(context + ids)`` less
+``decode(context)`` (``tokenizer.decode(..., skip_special_tokens=...)``); and ``push``
+never returns the replacement character U+FFFD for a character whose bytes may still
+arrive (byte-level BPE splits CJK and emoji across tokens). Byte-level decoding does not
+depend on context: there it is ``decode(ids)``. A SentencePiece-style decoder strips the
+leading space of a text: without the context, an output's first word would lose its space
+("Hello" + "▁word" must read "Hello word"), as vLLM primes its detokenizer with the prompt.
 
 Two ways to get there:
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import codecs
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -109,7 +114,9 @@ class WindowStream:
     already emitted and decode to ``_prefix``. Each push decodes the window and emits the
     text beyond ``_prefix``, unless it ends in U+FFFD (a character still incomplete).
     Decoding a little context before the new tokens lets context-sensitive decoders
-    (Metaspace's leading space, WordPiece's ``##``) treat the new tokens as mid-sequence.
+    (Metaspace's leading space, WordPiece's ``##``) treat the new tokens as mid-sequence;
+    the first window starts with ``context`` (the prompt's last tokens), less a character
+    it leaves incomplete (whose bytes would make its decoded length shrink).
     """
 
     __slots__ = ("_dropped", "_ids", "_prefix", "_read", "_skip", "_tokenizer")
@@ -119,15 +126,24 @@ class WindowStream:
         tokenizer: Tokenizer,
         skip_special_tokens: bool,
         special_ids: frozenset[int] = frozenset(),
+        context: Sequence[int] = (),
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         # Skipped tokens decode to nothing wherever they are: kept out of the window, they
         # cannot hold it open until it is emitted with a character still incomplete.
         self._dropped = special_ids if skip_special_tokens else frozenset()
-        self._ids: list[int] = []
-        self._read = 0
-        self._prefix = ""
+        ids = [t for t in context if t not in self._dropped]
+        prefix = self._decode(ids)
+        while ids and prefix.endswith(REPLACEMENT):
+            ids.pop()
+            prefix = self._decode(ids)
+        self._ids: list[int] = ids
+        self._read = len(ids)
+        self._prefix = prefix
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
 
     def push(self, token_id: int) -> str:
         if token_id in self._dropped:
@@ -193,11 +209,14 @@ class Detokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def stream(self, skip_special_tokens: bool = True) -> DetokenizerStream:
-        """A new incremental decoder for one sequence."""
+    def stream(
+        self, skip_special_tokens: bool = True, context: Sequence[int] = ()
+    ) -> DetokenizerStream:
+        """A new incremental decoder for one sequence, whose text follows ``context`` (the
+        prompt's last tokens)."""
         if self.byte_level:
             return ByteStream(self._table(skip_special_tokens))
-        return WindowStream(self.tokenizer, skip_special_tokens, self.special_ids)
+        return WindowStream(self.tokenizer, skip_special_tokens, self.special_ids, context)
 
     def _table(self, skip_special_tokens: bool) -> ByteTable:
         """Each token id's bytes, as the ``ByteLevel`` decoder produces them.

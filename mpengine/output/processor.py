@@ -14,7 +14,11 @@ Stop checks per token, in vLLM's order of precedence: EOS (unless ``ignore_eos``
 sequence within its first ``min_tokens`` tokens. An EOS or stop token stays in
 ``token_ids``, but its text is not sent unless ``include_stop_str_in_output``; a stop string
 cuts the text before it (or after it, with ``include_stop_str_in_output``). Without stop
-strings, the final text equals ``tokenizer.decode(token_ids minus the stop token)``.
+strings, the final text is the text those tokens (less the stop token) add after the
+prompt's last tokens (``detokenizer.py``): ``tokenizer.decode(token_ids)`` for byte-level
+tokenizers; for SentencePiece-style ones the first word keeps its leading space. Invalid
+UTF-8 from byte-fallback tokens may read differently (one U+FFFD per byte or per group),
+as in vLLM.
 
 A finished sequence is forgotten: under async depth 1 the scheduler may already have
 planned one more step for it, and that token is neither sent nor accepted.
@@ -70,6 +74,8 @@ class _Request:
     # the highest cumulative logprob are sent, as one final delta each.
     ranked: list[_Sequence] | None = None
     beams: BeamGroup | None = None  # beam search: its state, decided here each step
+    # The prompt's last tokens (``NewRequest.prompt_tail``): an output's text follows them.
+    context: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -356,7 +362,7 @@ class OutputProcessor:
             ids = hypothesis.token_ids
             last = int(ids[-1]) if len(ids) else -1
             stopped = last in request.stop_ids
-            stream = self.detokenizer.stream(sampling.skip_special_tokens)
+            stream = self.detokenizer.stream(sampling.skip_special_tokens, request.context)
             kept = ids if (not stopped or request.include_stop) else ids[:-1]
             text = "".join(stream.push(int(t)) for t in kept) + stream.flush()
             stop_reason = last if stopped and last not in request.eos_ids else None
@@ -445,6 +451,8 @@ class OutputProcessor:
                 request.ranked = []
             if sampling.use_beam_search:
                 request.beams = BeamGroup(sampling, request.max_tokens, request.stop_ids)
+            if msg.prompt_tail is not None:
+                request.context = msg.prompt_tail.numpy().tolist()
         key = (msg.client_id, msg.request_id)
         if key in self._requests:
             # The scheduler rejects duplicate ids; never let one clobber a live request.
@@ -457,7 +465,7 @@ class OutputProcessor:
         for index, seq_id in enumerate(msg.seq_ids):
             stream = None
             if sampling is not None:
-                stream = self.detokenizer.stream(sampling.skip_special_tokens)
+                stream = self.detokenizer.stream(sampling.skip_special_tokens, request.context)
             seq = self._seqs[seq_id] = _Sequence(seq_id, index, request, stream)
             if request.ranked is not None:
                 request.ranked.append(seq)

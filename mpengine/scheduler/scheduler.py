@@ -48,6 +48,7 @@ from mpengine.config import EngineConfig
 from mpengine.limits import ABORT_CHUNK_BYTES, MAX_RELEASED_PER_PLAN, FrameLimits
 from mpengine.protocol import (
     MAX_BEAM_CANDIDATES,
+    PROMPT_TAIL_TOKENS,
     AbortRequests,
     AddRequest,
     Announcement,
@@ -1014,9 +1015,11 @@ class Scheduler:
     def _announce(self, request: Request) -> None:
         request.announced = True
         sampling = request.sampling
-        prompt_ids = None
+        prompt_ids = tail = None
         if request.wants_prompt_logprobs:
             prompt_ids = Array.of(request.prompt_token_ids)
+        if sampling is not None:
+            tail = Array.of(request.prompt_token_ids[-PROMPT_TAIL_TOKENS:])
         if sampling is not None and sampling.max_tokens != request.max_tokens:
             sampling = msgspec.structs.replace(sampling, max_tokens=request.max_tokens)
         self.announcements.append(
@@ -1030,6 +1033,7 @@ class Scheduler:
                 arrival_time=request.arrival_time,
                 scheduled_time=time.time(),
                 prompt_token_ids=prompt_ids,
+                prompt_tail=tail,
             )
         )
 

@@ -20,7 +20,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 CORPUS_DIR = Path(__file__).with_name("corpus")
 
@@ -242,3 +250,37 @@ BERT_TOKENIZER = TokenizerSpec(
     model_max_length=512,
     model_input_names=("input_ids", "token_type_ids", "attention_mask"),
 )
+
+
+@functools.cache
+def sentencepiece_tokenizer() -> Tokenizer:
+    """A Llama 2 / Mistral style tokenizer: "▁" for spaces, byte-fallback tokens
+    ``<0xE6>`` for characters outside the vocabulary, and a context-dependent decoder
+    (the leading space of the text is stripped)."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        limit_alphabet=70,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(
+        [t for text in corpus_texts() for t in text.splitlines()], trainer
+    )
+    spec = json.loads(tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    return Tokenizer.from_str(json.dumps(spec))

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from mpengine.output.detokenizer import (
     MAX_PENDING_TOKENS,
@@ -15,11 +12,12 @@ from mpengine.output.detokenizer import (
     Detokenizer,
     WindowStream,
 )
+from mpengine.protocol import PROMPT_TAIL_TOKENS
 from mpengine.testing.tiny_tokenizer import (
     GPT2_TOKENIZER,
     LLAMA_TOKENIZER,
     QWEN3_TOKENIZER,
-    corpus_texts,
+    sentencepiece_tokenizer,
     write_tokenizer,
 )
 
@@ -34,40 +32,7 @@ def detok(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return Detokenizer.from_path(str(path))
 
 
-def sentencepiece_style() -> Tokenizer:
-    """A Llama 2 / Mistral style tokenizer: "▁" for spaces, byte-fallback tokens
-    ``<0xE6>`` for characters outside the vocabulary, and a context-dependent decoder
-    (the leading space of the text is stripped)."""
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    tokenizer.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
-    tokenizer.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        limit_alphabet=70,
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(
-        [t for text in corpus_texts() for t in text.splitlines()], trainer
-    )
-    spec = json.loads(tokenizer.to_str())
-    vocab = spec["model"]["vocab"]
-    for byte in range(256):
-        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
-    return Tokenizer.from_str(json.dumps(spec))
-
-
-SENTENCEPIECE = sentencepiece_style()
+SENTENCEPIECE = sentencepiece_tokenizer()
 
 
 def run(stream: ByteStream | WindowStream, ids: list[int]) -> tuple[list[str], str]:
@@ -185,3 +150,32 @@ def test_a_missing_tokenizer_names_its_path(tmp_path) -> None:
     for path in (tmp_path / "absent", tmp_path):  # no such path; a directory without one
         with pytest.raises(FileNotFoundError, match=str(path)):
             Detokenizer.from_path(str(path))
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=unicode_text, data=st.data())
+def test_outputs_read_as_they_follow_the_prompt(text: str, data: st.DataObject) -> None:
+    """A stream started from the prompt's last tokens emits the text the outputs add after
+    it: a SentencePiece-style decoder strips the leading space of a text, so an output's
+    first word lost its space ("Hello" + "▁word" read "Helloword", not "Hello word")."""
+    ids = SENTENCEPIECE.encode(text).ids
+    split = data.draw(st.integers(0, len(ids)))
+    prompt, outputs = ids[:split], ids[split:]
+    whole, before = SENTENCEPIECE.decode(ids), SENTENCEPIECE.decode(prompt)
+    stream = WindowStream(SENTENCEPIECE, True, context=prompt[-PROMPT_TAIL_TOKENS:])
+    pieces, full = run(stream, outputs)
+    if whole.startswith(before):  # (else the prompt ends inside a character)
+        assert full == whole[len(before) :]
+        assert "\ufffd" not in "".join(pieces)
+
+
+def test_the_first_output_word_keeps_its_space() -> None:
+    prompt = SENTENCEPIECE.encode("Hello").ids
+    word = SENTENCEPIECE.encode("the the").ids[-1]
+    assert SENTENCEPIECE.id_to_token(word).startswith("▁")
+    detok = Detokenizer(SENTENCEPIECE)
+    assert run(detok.stream(True, prompt), [word, word])[1] == " the the"
+    assert run(detok.stream(True), [word, word])[1] == "the the"  # no context: decode(ids)
+    # A prompt that ends inside a character: its bytes are left out of the context.
+    partial = [*prompt, SENTENCEPIECE.token_to_id("<0xE4>")]
+    assert run(detok.stream(True, partial), [word])[1] == " the"

@@ -24,7 +24,11 @@ from mpengine.protocol import (
     SamplingParams,
     StepResult,
 )
-from mpengine.testing.tiny_tokenizer import QWEN3_TOKENIZER, write_tokenizer
+from mpengine.testing.tiny_tokenizer import (
+    QWEN3_TOKENIZER,
+    sentencepiece_tokenizer,
+    write_tokenizer,
+)
 
 Outputs = list[tuple[str, OutputDelta]]
 
@@ -513,3 +517,22 @@ def test_an_error_processing_one_request_fails_that_request_only(
     monkeypatch.setattr(proc, "_on_token", original)
     _, out = proc.process(result(1, [(1, 42), (2, 43)]))  # seq 1's token is never seen
     assert [d.request_id for _, d in out] == ["b"]
+
+
+def test_outputs_are_decoded_after_the_prompts_tail(tmp_path: Path) -> None:
+    """With a SentencePiece-style tokenizer the first output word kept no space: "Hello" +
+    "▁the" read "Hellothe" in echo and in prompt + completion. The announcement carries
+    the prompt's last tokens and the text follows them, as vLLM's does; without them (an
+    older scheduler) the text is the outputs' own decode."""
+    tokenizer = sentencepiece_tokenizer()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    proc = OutputProcessor(str(tmp_path), [tokenizer.token_to_id("</s>")])
+    prompt = tokenizer.encode("Hello").ids
+    word = tokenizer.encode("the the").ids[-1]
+    for request_id, tail, want in [("r1", Array.of(prompt), " the the"), ("r2", None, "the the")]:
+        msg = NewRequest(
+            request_id, "c1", [1], len(prompt), SamplingParams(max_tokens=2), None, 0.0, 0.0
+        )
+        msg.prompt_tail = tail
+        proc.announce(msg)
+        assert joined(feed(proc, 1, [word, word])[1]) == (want, [word, word])

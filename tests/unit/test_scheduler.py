@@ -630,3 +630,13 @@ def test_a_later_request_does_not_preempt_a_beam_waiting_for_its_step(policy):
     (preempted,) = sched.preempted
     assert preempted.request.request_id == "low"
     assert beam.status.name == "RUNNING" and beam.block_ids
+
+
+def test_announcements_carry_the_prompts_tail():
+    """The output stage decodes a request's outputs after the prompt's last tokens."""
+    sched = make_scheduler()
+    add(sched, "long", list(range(10, 30)))
+    add(sched, "short", [11, 12])
+    sched.schedule()
+    tails = {a.request_id: a.prompt_tail.numpy().tolist() for a in sched.take_announcements()}
+    assert tails == {"long": [25, 26, 27, 28, 29], "short": [11, 12]}
