@@ -32,10 +32,12 @@ import os
 import queue
 import shutil
 import signal
+import site
 import socket
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -221,15 +223,29 @@ class _Spawner:
                 future.set_exception(exc)
 
 
-def _stage_env() -> dict[str, str]:
-    """The caller's environment with the project root first on PYTHONPATH (so that an
-    uninstalled checkout works); the caller's entries stay, except empty ones, which Python
-    reads as the cwd."""
+def _stage_env(root: str | None = None) -> dict[str, str]:
+    """The caller's environment, with the directory holding the package (``root``) first
+    on PYTHONPATH when it is a checkout, so that an uninstalled one works; an installed
+    package's site directory is found by the stages as by any interpreter, and put on
+    PYTHONPATH it would come before the standard library (a backport installed there, such
+    as PyPI's ``pathlib``, would shadow it in the stages only). The caller's entries stay,
+    except empty ones, which Python reads as the cwd."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
-    entries = [root, *env.get("PYTHONPATH", "").split(os.pathsep)]
+    root = root or str(Path(__file__).resolve().parent.parent)
+    entries = env.get("PYTHONPATH", "").split(os.pathsep)
+    if os.path.realpath(root) not in _site_dirs():
+        entries.insert(0, root)
     env["PYTHONPATH"] = os.pathsep.join(p for p in entries if p)
     return env
+
+
+def _site_dirs() -> set[str]:
+    """Where this interpreter installs packages (its venv's, the user's)."""
+    paths = sysconfig.get_paths()
+    dirs = [paths["purelib"], paths["platlib"], *site.getsitepackages()]
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return {os.path.realpath(d) for d in dirs}
 
 
 class StageProcess:

@@ -268,6 +268,20 @@ def test_stage_env_keeps_pythonpath_but_no_empty_entry(monkeypatch: pytest.Monke
     assert _stage_env()["PYTHONPATH"] == root
 
 
+def test_an_installed_package_is_not_put_before_the_standard_library(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Installed (not a checkout), the package's site directory went first on the stages'
+    PYTHONPATH, before the standard library: a backport installed there (PyPI's
+    ``pathlib``) shadowed it in the stages only, which then failed to start."""
+    import sysconfig
+
+    monkeypatch.setenv("PYTHONPATH", "/x")
+    purelib = sysconfig.get_paths()["purelib"]
+    assert _stage_env(purelib)["PYTHONPATH"] == "/x"
+    assert _stage_env("/some/checkout")["PYTHONPATH"] == os.pathsep.join(["/some/checkout", "/x"])
+
+
 ARMED_CHILD = """
 import ctypes, signal, sys
 ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, as a stage does
