@@ -12,7 +12,8 @@ They exist for tests and diagnosis, never for behaviour a user should configure 
 One more says where things built on this machine are kept:
 
 - ``MPENGINE_CACHE_DIR``: the built-in tiny models (``models/``) and the CPU attention
-  kernels (``kernels/``); default ``~/.cache/mpengine``. Files there (and the engine's
+  kernels (``kernels/``); default ``$XDG_CACHE_HOME/mpengine``, ``~/.cache/mpengine``
+  without it. Files there (and the engine's
   other files that readers may open at any time) are written with ``write_atomically``.
 
 And the executor honours two of its tools' own: ``CC`` (the C compiler that builds the CPU
@@ -33,7 +34,9 @@ def _ints(name: str) -> frozenset[int]:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MPENGINE_CACHE_DIR") or Path.home() / ".cache" / "mpengine")
+    if explicit := os.environ.get("MPENGINE_CACHE_DIR"):
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mpengine"
 
 
 def write_atomically(path: str | os.PathLike[str], data: bytes) -> None:

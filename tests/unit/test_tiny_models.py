@@ -250,3 +250,22 @@ def test_unknown_name_lists_known_models() -> None:
     with pytest.raises(ValueError, match="tiny-bert") as error:
         resolve_model("no-such-model")
     assert all(name in str(error.value) for name in KNOWN_MODELS)
+
+
+def test_the_cache_follows_xdg_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpengine.envs import cache_dir
+
+    monkeypatch.delenv("MPENGINE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert cache_dir() == Path("/xdg/mpengine")
+    monkeypatch.setenv("MPENGINE_CACHE_DIR", "/mine")
+    assert cache_dir() == Path("/mine")
+    monkeypatch.delenv("MPENGINE_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_dir() == Path.home() / ".cache" / "mpengine"
+
+
+def test_an_unwritable_cache_names_the_variable_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPENGINE_CACHE_DIR", "/proc/no-such-dir")
+    with pytest.raises(OSError, match="MPENGINE_CACHE_DIR"):
+        resolve_model("tiny")
