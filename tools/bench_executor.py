@@ -196,6 +196,23 @@ def medians(samples: list[tuple[float, float]]) -> dict:
     }
 
 
+def write_json(args: argparse.Namespace, rows: list[dict]) -> None:
+    """The rows so far (written after each one: a run cut short keeps what it measured)."""
+    with open(args.json, "w") as f:
+        json.dump(
+            {
+                "model": args.model,
+                "threads": args.threads or "the executor's policy",
+                "chunk": args.chunk,
+                "steps": args.steps,
+                "device": "cuda" if torch.cuda.is_available() else "cpu",
+                "results": rows,
+            },
+            f,
+            indent=2,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
@@ -234,6 +251,7 @@ def main() -> None:
                     "mixed": medians(bench.mixed(n)),
                 }
                 rows.append(row)
+                write_json(args, rows)
                 print(
                     f"  {n:4} seqs: decode {row['decode']['wall_ms']:7.2f} ms"
                     f"  uneven {row['uneven']['wall_ms']:7.2f} ms"
@@ -255,19 +273,7 @@ def main() -> None:
             f"{r['mixed']['wall_ms']:>10.2f}{r['mixed']['cpu_ms']:>8.2f}"
             f"{r['prefill_tokens_per_s']:>15,.0f}"
         )
-    with open(args.json, "w") as f:
-        json.dump(
-            {
-                "model": args.model,
-                "threads": args.threads or "the executor's policy",
-                "chunk": args.chunk,
-                "steps": args.steps,
-                "device": "cuda" if torch.cuda.is_available() else "cpu",
-                "results": rows,
-            },
-            f,
-            indent=2,
-        )
+    write_json(args, rows)
     print(f"\nwrote {args.json}")
 
 

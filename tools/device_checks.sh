@@ -8,6 +8,8 @@
 #   tools/device_checks.sh --quick    # the same steps, tiny sizes, on any machine
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The benchmarks run as scripts: the checkout must be importable without an install.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${OUT:-device-results}
 mkdir -p "$out"
 python=${PYTHON:-python3}
@@ -31,6 +33,9 @@ step() {  # step NAME SECONDS CMD...
 
 "$python" -c "import torch; print(torch.__version__, torch.cuda.is_available())" |
     tee "$out/device.txt"
+# Every dependency, in the first second rather than in each step's log.
+"$python" -c "import mpengine, msgspec, zmq, posix_ipc, transformers, tokenizers" ||
+    { echo "== a dependency is missing: nothing run" | tee -a "$out/steps.log"; exit 1; }
 
 if [ $quick = 1 ]; then
     step tests 600 "$python" -m pytest -q -p no:cacheprovider -x \
@@ -45,10 +50,11 @@ if [ $quick = 1 ]; then
         --json "$out/bench_embed.json"
 else
     # The real kernels and graphs against the torch backend, and the GPU sizing.
-    step tests 150 "$python" -m pytest -q -p no:cacheprovider tests/unit/test_attention_backends.py \
+    step tests 120 "$python" -m pytest -q -p no:cacheprovider tests/unit/test_attention_backends.py \
         tests/unit/test_executor_gpu_memory.py tests/unit/test_sampler.py \
         tests/e2e/test_executor_triton.py
-    step bench_executor 60 "$python" tools/bench_executor.py --json "$out/bench_executor.json"
+    step bench_executor 90 "$python" tools/bench_executor.py --steps 5 \
+        --json "$out/bench_executor.json"
     # Issue 7: 256 concurrent requests, tiny and the Qwen3-0.6B shape, against HF generate.
     step bench_engine_tiny 90 "$python" tools/bench_engine.py --device "$device" \
         --models tiny --num-requests 256 --max-tokens 128 --repeats 2 \
