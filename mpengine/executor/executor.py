@@ -59,6 +59,22 @@ logger = logging.getLogger(__name__)
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
+# What a CUDA context that can no longer run anything says (a device-side assert, an
+# illegal address): every later call fails the same way.
+_DEVICE_LOST_MARKS = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS")
+
+
+def device_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` left the device unusable: no later step can succeed, so failing
+    this step's sequences and serving on would fail every request from now on. Out of
+    memory is not such an error."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    if isinstance(exc, getattr(torch, "AcceleratorError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DEVICE_LOST_MARKS)
+
+
 class Executor:
     """Owns the model, the KV cache and the per-slot state; ``execute`` runs one step.
 
@@ -242,6 +258,8 @@ class Executor:
             else:
                 result = self._execute(plan, failures)
         except Exception as exc:
+            if device_lost(exc):
+                raise  # the stage exits: its supervisor fails the requests, a service restarts
             logger.exception("step %d failed", plan.step)
             message = f"{type(exc).__name__}: {exc}"
             for seq_id in plan.seq_ids.numpy().tolist():
@@ -331,6 +349,8 @@ class Executor:
                     raise RuntimeError("the model's forward kept no hidden states to pool")
                 self._pool(result, hidden, pool_kinds, slots, starts, num_tokens, first, pooled)
             except Exception as exc:
+                if device_lost(exc):
+                    raise
                 logger.exception("pooling failed in step %d", plan.step)
                 for i in np.flatnonzero(pool_kinds >= 0):
                     failures.setdefault(int(seq_ids[i]), f"{type(exc).__name__}: {exc}")
@@ -500,6 +520,8 @@ class Executor:
         try:
             return ok, error, self._sample_rows(logits, slots, contexts, device_slots)
         except Exception as exc:
+            if device_lost(exc):
+                raise
             logger.warning("sampling failed (%r): finding the rows at fault", exc)
             error = f"{type(exc).__name__}: {exc}"
         for row in range(len(slots)):
@@ -507,6 +529,8 @@ class Executor:
             try:
                 self._sample_rows(logits[one], slots[one], contexts[one]).wait()
             except Exception as row_exc:
+                if device_lost(row_exc):
+                    raise
                 ok[row] = False
                 error = f"{type(row_exc).__name__}: {row_exc}"
         if ok.all():  # no row fails alone: the batch as a whole did

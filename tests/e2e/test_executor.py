@@ -462,6 +462,53 @@ def test_failed_step_returns_error_and_executor_recovers(tiny: Executor, monkeyp
     assert run() == before
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.AcceleratorError("CUDA error: an illegal memory access was encountered"),
+        RuntimeError("CUDA error: device-side assert triggered"),
+    ],
+)
+@pytest.mark.parametrize("where", ["forward", "sampling"])
+def test_a_lost_device_ends_the_executor(
+    tiny: Executor, monkeypatch, error: Exception, where: str
+) -> None:
+    """A device-side assert or an illegal address leaves the CUDA context unusable: every
+    later step would fail too. Failing the step's sequences and serving on failed every
+    request from then on, with nothing to restart the engine; the error now leaves the
+    executor (its stage exits, and the launcher fails the requests with it)."""
+    (start, params) = start_seq(0, 51, 1, GREEDY)
+    plan = StepPlan(
+        step=7,
+        starts=Array.of([0]),
+        token_ids=Array.of([5, 6, 7]),
+        slots=Array.of([0]),
+        num_tokens=Array.of([3]),
+        sample=Array.of([True], "bool"),
+        seq_ids=Array.of([51], "int64"),
+        new_seqs=[start],
+        block_slots=Array.of([0]),
+        block_indices=Array.of([0]),
+        block_ids=Array.of([1]),
+        new_requests=[params],
+    )
+
+    def lost(*args: object, **kwargs: object) -> None:
+        raise error
+
+    monkeypatch.setattr(tiny, "model" if where == "forward" else "_sample_rows", lost)
+    with pytest.raises(type(error), match="CUDA error"):
+        tiny.execute(plan)
+
+
+def test_out_of_memory_is_not_a_lost_device() -> None:
+    from mpengine.executor.executor import device_lost
+
+    assert not device_lost(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
+    assert not device_lost(RuntimeError("shape mismatch"))
+    assert device_lost(RuntimeError("CUDA error: misaligned address"))
+
+
 def msgspec_replace(plan: StepPlan, **changes: object) -> StepPlan:
     import msgspec
 
