@@ -30,7 +30,9 @@ import triton.language as tl
 TILE = 32
 
 
-@triton.jit
+# Triton compiles a variant per integer argument that is 1 or a multiple of 16: counts
+# that change every step are not specialised on (each variant was a compile mid-serving).
+@triton.jit(do_not_specialize=["num_tokens"])
 def _store_kv_kernel(
     key_ptr,  # [kv_heads, T, head_dim] (strided)
     value_ptr,
@@ -84,7 +86,7 @@ def _store_kv_kernel(
     tl.store(rows + stride_c_kv, value, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     out_ptr,  # [T, heads, head_dim]
     query_ptr,  # [T, heads, head_dim] (strided)
