@@ -2,11 +2,13 @@
 
 A decode step of ``n`` sequences (one token each) runs the graph of the smallest captured
 batch size ``>= n`` (:func:`graph_batch_sizes`: 1, 2, 4, 8, then every 8 up to 64 and every
-16 beyond, up to ``max_num_seqs``). The graph reads its inputs from static buffers: the
-step's inputs are copied into their first ``n`` rows, and the padding rows are made
-harmless: their keys and values are not stored (slot -1) and each attends to one key of
-block 0 (whatever it holds, a finite value), so every row stays finite and no real row
-reads them. The logits of every row are computed in the graph; the caller keeps its rows.
+16 beyond, up to :func:`max_graph_batch`: ``max_num_seqs``, no more than a step's token
+budget holds, nor than ``MAX_GRAPH_BATCH`` as vLLM's default capture sizes; each size keeps
+its own logits, ``size x vocabulary``, in the graph pool). The graph reads its inputs from
+static buffers: the step's inputs are copied into their first ``n`` rows, and the padding
+rows are made harmless: their keys and values are not stored (slot -1) and each attends to
+one key of block 0 (whatever it holds, a finite value), so every row stays finite and no
+real row reads them. The logits of every row are computed in the graph; the caller keeps its rows.
 
 Graphs are captured largest first into one shared memory pool (a smaller graph's
 activations fit in what the largest one used). Prefill and mixed steps run eagerly, as do
@@ -23,10 +25,19 @@ import logging
 
 import torch
 
+from mpengine.config import EngineConfig
 from mpengine.executor.attention import METADATA_KWARG, AttentionMetadata
 from mpengine.executor.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
+
+
+MAX_GRAPH_BATCH = 512
+
+
+def max_graph_batch(config: EngineConfig) -> int:
+    """The largest pure-decode step that gets a graph: larger ones run eagerly."""
+    return min(config.max_num_seqs, config.max_num_batched_tokens, MAX_GRAPH_BATCH)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

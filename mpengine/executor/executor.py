@@ -226,12 +226,12 @@ class Executor:
             or not self.loaded.can_generate
         ):
             return None
-        from mpengine.executor.cuda_graphs import DecodeGraphs
+        from mpengine.executor.cuda_graphs import DecodeGraphs, max_graph_batch
 
         return DecodeGraphs.capture(
             self.model,
             self.kv_caches,
-            max_num_seqs=self.config.max_num_seqs,
+            max_num_seqs=max_graph_batch(self.config),
             max_blocks_per_seq=self.slots.block_table.shape[1],
         )
 
@@ -685,8 +685,9 @@ def _gpu_memory_start(config: EngineConfig) -> MemoryStart | None:
     before this process loads anything (see ``gpu_memory``)."""
     from mpengine.executor.model_loader import resolve_device
 
-    if config.num_gpu_blocks_override is not None or resolve_device(config.device).type != "cuda":
+    device = resolve_device(config.device)
+    if config.num_gpu_blocks_override is not None or device.type != "cuda":
         return None
     from mpengine.executor.gpu_memory import MemoryStart
 
-    return MemoryStart.take()
+    return MemoryStart.take(device)

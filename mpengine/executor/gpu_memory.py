@@ -52,10 +52,14 @@ class MemoryStart:
     total: int
 
     @classmethod
-    def take(cls) -> MemoryStart:
+    def take(cls, device: torch.device) -> MemoryStart:
+        """Of ``device`` (``cuda:1`` read the current device, ``cuda:0``, and made a
+        context there)."""
+        if device.index is not None:  # (plain "cuda" is the current device)
+            torch.cuda.set_device(device)
         torch.cuda.init()
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
+        free, total = torch.cuda.mem_get_info(device)
         return cls(free=free, total=total)
 
 
@@ -100,10 +104,10 @@ def profiled_num_blocks(
     activations = peak - weights
     graphs = 0
     if not config.enforce_eager and backend == "triton" and loaded.can_generate:
-        from mpengine.executor.cuda_graphs import graph_batch_sizes
+        from mpengine.executor.cuda_graphs import graph_batch_sizes, max_graph_batch
 
         row_bytes = loaded.vocab_size * torch.empty((), dtype=loaded.dtype).element_size()
-        sizes = graph_batch_sizes(config.max_num_seqs)
+        sizes = graph_batch_sizes(max_graph_batch(config))
         graphs = graph_pool_estimate(activations, config.max_num_batched_tokens, sizes, row_bytes)
     budget = kv_cache_budget(total, config.gpu_memory_utilization, peak, non_torch, graphs)
     logger.info(

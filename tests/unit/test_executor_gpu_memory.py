@@ -8,11 +8,12 @@ is plain functions. Capturing and replaying graphs needs a GPU and is not run he
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from mpengine.config import EngineConfig, GiB
-from mpengine.executor.cuda_graphs import graph_batch_sizes
+from mpengine.executor.cuda_graphs import graph_batch_sizes, max_graph_batch
 from mpengine.executor.gpu_memory import (
     graph_pool_estimate,
     kv_cache_budget,
@@ -48,6 +49,17 @@ def test_graph_batch_sizes() -> None:
     assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-1] == 256
     assert 64 in sizes and 72 not in sizes and 80 in sizes  # steps of 8, then of 16
     assert graph_batch_sizes(100)[-1] == 112  # the last size covers max_num_seqs
+
+
+def test_graphs_only_for_decode_steps_that_can_run() -> None:
+    """A pure-decode step has a token per sequence: no larger than the token budget (sizes
+    past it were captured, never replayed, and each kept its own logits); and no larger
+    than vLLM's default capture limit (at 1,024 sequences and a 152k vocabulary the
+    graphs' logits alone took 10 GB)."""
+    assert max_graph_batch(EngineConfig(max_num_seqs=256, max_num_batched_tokens=64)) == 64
+    assert max_graph_batch(EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192)) == 256
+    big = EngineConfig(max_num_seqs=1024, max_num_batched_tokens=8192)
+    assert graph_batch_sizes(max_graph_batch(big))[-1] == 512
 
 
 def spec_of(loaded) -> KVCacheSpec:
@@ -97,3 +109,25 @@ def test_profile_forward_of_a_model_without_an_lm_head(tmp_path) -> None:
         hidden = profile_forward(loaded, spec, "torch", num_tokens=100, max_num_seqs=8)
     assert hidden.shape == (2, loaded.model.config.hidden_size)
     assert torch.isfinite(hidden).all()
+
+
+def test_memory_is_read_on_the_configured_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cuda:1`` read the current device's memory (``cuda:0``) and made a context there."""
+    from mpengine.executor.gpu_memory import MemoryStart
+
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set", d)))
+
+    def mem_get_info(device: object = None) -> tuple[int, int]:
+        calls.append(("read", device))
+        return 3 * GiB, 8 * GiB
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    second = torch.device("cuda:1")
+    assert MemoryStart.take(second) == MemoryStart(3 * GiB, 8 * GiB)
+    assert calls == [("set", second), ("read", second)]
+    calls.clear()
+    MemoryStart.take(torch.device("cuda"))  # the current device: nothing to set
+    assert calls == [("read", torch.device("cuda"))]
