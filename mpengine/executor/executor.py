@@ -677,7 +677,43 @@ class Executor:
         keep = reasons == ""
         if failures:
             keep &= ~np.isin(seq_ids, np.fromiter(failures, np.int64, len(failures)))
+        if not keep.all():
+            self._drop_readers_of_unwritten(slots, starts, num_tokens, seq_ids, keep, failures)
         return keep
+
+    def _drop_readers_of_unwritten(
+        self,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        num_tokens: np.ndarray,
+        seq_ids: np.ndarray,
+        keep: np.ndarray,
+        failures: dict[int, str],
+    ) -> None:
+        """A sequence may start from prefix blocks another sequence of the same step
+        computes (the scheduler shares them at once, as vLLM does): when that one cannot
+        run, its blocks stay unwritten, and the sequences reading them fail too, rather
+        than attend to whatever the blocks held (``keep`` is updated in place)."""
+        size = self.config.block_size
+        table = self.slots.block_table
+        while True:
+            unwritten: set[int] = set()
+            for i in np.flatnonzero(~keep):
+                if 0 <= slots[i] < len(table):
+                    first, last = starts[i] // size, (starts[i] + num_tokens[i] - 1) // size
+                    unwritten.update(table[slots[i], first : last + 1].tolist())
+            unwritten.discard(-1)
+            dropped = False
+            for j in np.flatnonzero(keep):
+                read = table[slots[j], : -(-int(starts[j]) // size)].tolist()
+                if not unwritten.isdisjoint(read):
+                    keep[j], dropped = False, True
+                    failures.setdefault(
+                        int(seq_ids[j]),
+                        "its prompt's prefix blocks were computed by a sequence that failed",
+                    )
+            if not dropped:
+                return
 
 
 def _gpu_memory_start(config: EngineConfig) -> MemoryStart | None:

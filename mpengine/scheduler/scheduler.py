@@ -123,6 +123,13 @@ class Scheduler:
         # gave another request wrong tokens. Each holds a reference meanwhile, so that it
         # cannot go to another sequence unnamed. Step -> (seq id, block, hash).
         self._unnamed: dict[int, list[tuple[int, int, BlockHash]]] = {}
+        # ... except within the step being built: a request admitted beside the one that
+        # computes a prefix starts after it (every attention backend stores a step's keys
+        # and values before any sequence of the step reads them, as vLLM's do; a burst of
+        # requests sharing a system prompt computed it once per admission step, up to
+        # one per request). If the writer cannot run, the executor fails its readers too.
+        # Hash -> (block, the sequence computing it).
+        self._provisional: dict[BlockHash, tuple[int, Sequence]] = {}
         self.requests: dict[tuple[str, str], Request] = {}  # by (client id, request id)
         self.num_waiting_requests = 0  # the queue also holds aborted ones, skipped later
         self.num_waiting_tokens = 0
@@ -537,6 +544,7 @@ class Scheduler:
         # Swap-outs issued for a step that then planned nothing still wait to be sent (their
         # blocks are free already: this plan's forward must come after the copies).
         self._extra_bytes = self.limits.plan_extra_bytes - 8 * len(self._swap_out)
+        self._provisional = {}
         self._prompt_logprob_tokens = self.limits.max_prompt_logprob_tokens
         chunks: list[tuple[Sequence, int]] = []
         starts: list[SeqStart] = []
@@ -800,7 +808,13 @@ class Scheduler:
         if request.pooling is not None and request.pooling.pooling != "last":
             return 0  # mean and CLS pooling read the prompt's first tokens' hidden states
         num_blocks = (len(seq) - 1) // self.blocks.block_size
-        seq.block_ids = self.blocks.lookup(self._hashes(seq, num_blocks)[:num_blocks])
+        hashes = self._hashes(seq, num_blocks)[:num_blocks]
+        seq.block_ids = self.blocks.lookup(hashes)
+        for block_hash in hashes[len(seq.block_ids) :] if self._provisional else ():
+            computing = self._provisional.get(block_hash)
+            if computing is None:
+                break
+            seq.block_ids += self.blocks.share([computing[0]])
         seq.num_computed = seq.num_registered = len(seq.block_ids)
         seq.num_computed *= self.blocks.block_size
         return len(seq.block_ids)
@@ -901,6 +915,15 @@ class Scheduler:
         if self._scores_prompt(seq):
             self._prompt_logprob_tokens -= num_tokens
         chunks.append((seq, num_tokens))
+        if self.blocks.caching and not seq.request.wants_prompt_logprobs:
+            # The full blocks of known tokens this chunk computes whole: shareable at once.
+            size = self.blocks.block_size
+            first = -(-seq.num_computed // size)
+            end = min(seq.num_computed + num_tokens, len(seq.token_ids)) // size
+            if end > first:
+                hashes = self._hashes(seq, end)
+                for index in range(first, end):
+                    self._provisional.setdefault(hashes[index], (seq.block_ids[index], seq))
 
     def _grow(self, seq: Sequence, need: int, block_deltas: list) -> None:
         first = len(seq.block_ids)
@@ -1042,6 +1065,8 @@ class Scheduler:
         and slot now (the executor runs steps in order, so a later plan reusing them cannot
         overtake the step in flight)."""
         self.running.remove(seq)
+        if any(writer is seq for _, writer in self._provisional.values()):
+            self._provisional = {h: e for h, e in self._provisional.items() if e[1] is not seq}
         swapped = self._swap_out_blocks(seq)
         self.blocks.free(seq.block_ids)
         seq.block_ids = []

@@ -75,15 +75,20 @@ class FakeExecutor:
             self.requests.remove(key)
         tokens = plan.token_ids.numpy().tolist()
         offset = 0
-        seq_ids, sampled = [], []
-        for seq_id, slot, start, n, sample in zip(
-            plan.seq_ids.numpy().tolist(),
-            plan.slots.numpy().tolist(),
-            plan.starts.numpy().tolist(),
-            plan.num_tokens.numpy().tolist(),
-            plan.sample.numpy().tolist(),
-            strict=True,
-        ):
+        rows = list(
+            zip(
+                plan.seq_ids.numpy().tolist(),
+                plan.slots.numpy().tolist(),
+                plan.starts.numpy().tolist(),
+                plan.num_tokens.numpy().tolist(),
+                plan.sample.numpy().tolist(),
+                strict=True,
+            )
+        )
+        # Every token of the step is stored before any sequence reads (as the attention
+        # backends store a layer's keys and values first): a sequence may read blocks
+        # another one of the same step fills.
+        for _, slot, start, n, _ in rows:
             table = self.tables[slot]
             for pos in range(start, start + n):
                 tok = tokens[offset]
@@ -91,7 +96,10 @@ class FakeExecutor:
                 if tok == -1:
                     tok = self.last[slot]
                 self.cache[(table[pos // bs], pos % bs)] = tok
+        seq_ids, sampled = [], []
+        for seq_id, slot, start, n, sample in rows:
             if sample:
+                table = self.tables[slot]
                 context = [self.cache[(table[p // bs], p % bs)] for p in range(start + n)]
                 tok = next_token(context, self.vocab_size)
                 self.last[slot] = tok

@@ -509,6 +509,39 @@ def test_out_of_memory_is_not_a_lost_device() -> None:
     assert device_lost(RuntimeError("CUDA error: misaligned address"))
 
 
+def test_readers_of_blocks_a_failed_writer_left_unwritten_fail_too(tiny: Executor) -> None:
+    """The scheduler lets a request start after a prefix that another sequence of the
+    same step computes. When that one cannot run, its blocks stay unwritten: the readers
+    fail with it (they attended to whatever the blocks held), the others run."""
+    block = tiny.info.block_size  # 4
+    (a, a_params), (b, b_params), (c, c_params) = (
+        start_seq(0, 61, 9, GREEDY),
+        start_seq(1, 62, 9, GREEDY),
+        start_seq(2, 63, 2, GREEDY),
+    )
+    bad_id = tiny.info.vocab_size  # writer a cannot run: a token id out of range
+    plan = StepPlan(
+        step=3,
+        # a computes 8 tokens into blocks 10, 11; b starts after them, in block 12; c is
+        # on its own in block 13
+        starts=Array.of([0, 2 * block, 0]),
+        token_ids=Array.of([*range(5, 12), bad_id, 20, 30]),
+        slots=Array.of([0, 1, 2]),
+        num_tokens=Array.of([2 * block, 1, 1]),
+        sample=Array.of([True, True, True], "bool"),
+        seq_ids=Array.of([61, 62, 63], "int64"),
+        new_seqs=[a, b, c],
+        block_slots=Array.of([0, 0, 1, 1, 1, 2]),
+        block_indices=Array.of([0, 1, 0, 1, 2, 0]),
+        block_ids=Array.of([10, 11, 10, 11, 12, 13]),
+        new_requests=[a_params, b_params, c_params],
+    )
+    result = tiny.execute(plan)
+    assert result.failed_seq_ids.numpy().tolist() == [61, 62]
+    assert "out of range" in result.errors[0] and "prefix blocks" in result.errors[1]
+    assert result.seq_ids.numpy().tolist() == [63]
+
+
 def msgspec_replace(plan: StepPlan, **changes: object) -> StepPlan:
     import msgspec
 
