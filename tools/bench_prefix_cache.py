@@ -3,8 +3,10 @@
 64 concurrent requests per round, each a 1,000-token system prompt followed by a short
 question, ``--max-tokens`` greedy tokens each. Two engines (``prefix_caching`` on and off)
 run at once and are timed in interleaved rounds, so a shared machine's drifts hit both
-alike. Reports time to first token (median over all requests of the timed rounds) and
-output tokens/s (median over rounds), as a table and JSON.
+alike. A third row takes the caching engine cold: each round a system prompt it has never
+seen, which the burst's requests share as soon as the first of them computes it. Reports
+time to first token (median over all requests of the timed rounds) and output tokens/s
+(median over rounds), as a table and JSON.
 
     python tools/bench_prefix_cache.py --rounds 5
 """
@@ -57,21 +59,27 @@ def main() -> None:
         for caching in (True, False)
     }
     clients = {caching: engine.client() for caching, engine in engines.items()}
-    rates: dict[bool, list[float]] = {True: [], False: []}
-    ttfts: dict[bool, list[float]] = {True: [], False: []}
+    rows = ("caching", "no caching", "caching, cold")
+    rates: dict[str, list[float]] = {name: [] for name in rows}
+    ttfts: dict[str, list[float]] = {name: [] for name in rows}
     try:
         vocab = clients[True].info.vocab_size
         system = [random.Random(0).randrange(3, vocab) for _ in range(args.system_tokens)]
         for client in clients.values():  # warm-up (and, with caching, fill it)
             run_round(client, system, random.Random(1), args)
         for round_index in range(args.rounds):
-            for caching, client in clients.items():
-                rate, ttft = run_round(client, system, random.Random(10 + round_index), args)
-                rates[caching].append(rate)
-                ttfts[caching] += ttft
+            cold = [random.Random(100 + round_index).randrange(3, vocab) for _ in system]
+            for name, client, prompt in (
+                ("caching", clients[True], system),
+                ("no caching", clients[False], system),
+                ("caching, cold", clients[True], cold),
+            ):
+                rate, ttft = run_round(client, prompt, random.Random(10 + round_index), args)
+                rates[name].append(rate)
+                ttfts[name] += ttft
             print(
-                f"round {round_index}: caching {rates[True][-1]:7.0f} tok/s, "
-                f"no caching {rates[False][-1]:7.0f} tok/s",
+                f"round {round_index}: "
+                + ", ".join(f"{name} {rates[name][-1]:7.0f} tok/s" for name in rows),
                 flush=True,
             )
         hits = clients[True].stats()
@@ -81,15 +89,15 @@ def main() -> None:
         for engine in engines.values():
             engine.shutdown()
 
-    def row(caching: bool) -> tuple[float, float, float]:
-        ttft = sorted(ttfts[caching])
+    def row(name: str) -> tuple[float, float, float]:
+        ttft = sorted(ttfts[name])
         return (
-            statistics.median(rates[caching]),
+            statistics.median(rates[name]),
             1000 * statistics.median(ttft),
             1000 * ttft[int(0.99 * (len(ttft) - 1))],
         )
 
-    on, off = row(True), row(False)
+    on, off, cold = row("caching"), row("no caching"), row("caching, cold")
     print(
         f"\n| {args.concurrency} x ({args.system_tokens}-token system prompt + 20-token "
         f"question), {args.max_tokens} tokens each | tokens/s | TTFT p50 ms | TTFT p99 ms |"
@@ -98,15 +106,19 @@ def main() -> None:
     print(f"| no prefix caching | {off[0]:.0f} | {off[1]:.0f} | {off[2]:.0f} |")
     print(f"| prefix caching | {on[0]:.0f} | {on[1]:.0f} | {on[2]:.0f} |")
     print(
-        f"\nthroughput {on[0] / off[0]:.2f}x, TTFT p50 {off[1] / on[1]:.1f}x lower; cache hit "
-        f"rate {hits.prefix_cache_hits / max(1, hits.prefix_cache_queries):.1%}"
+        f"| prefix caching, a new system prompt | {cold[0]:.0f} | {cold[1]:.0f} | {cold[2]:.0f} |"
+    )
+    print(
+        f"\nthroughput {on[0] / off[0]:.2f}x, TTFT p50 {off[1] / on[1]:.1f}x lower; cold "
+        f"{cold[0] / off[0]:.2f}x and {off[1] / cold[1]:.1f}x; cache hit rate "
+        f"{hits.prefix_cache_hits / max(1, hits.prefix_cache_queries):.1%}"
     )
     with open(args.json, "w") as f:
         json.dump(
             {
                 "args": vars(args),
-                "tokens_per_s": {"caching": rates[True], "no_caching": rates[False]},
-                "ttft_s": {"caching": ttfts[True], "no_caching": ttfts[False]},
+                "tokens_per_s": rates,
+                "ttft_s": ttfts,
                 "prefix_cache_queries": hits.prefix_cache_queries,
                 "prefix_cache_hits": hits.prefix_cache_hits,
             },
