@@ -191,23 +191,25 @@ def profile_forward(
 
 def profile_sampler(loaded: LoadedModel, num_rows: int, seed: int) -> None:
     """Sampling of ``num_rows`` rows with every restriction on: its temporaries (a sort of
-    the logits, their probabilities) are the largest of any step's sampling."""
+    the logits, their probabilities, the penalties' counts over the vocabulary and each
+    row's whole context) are the largest of any step's sampling."""
     logits = torch.zeros(num_rows, loaded.vocab_size, dtype=loaded.dtype, device=loaded.device)
     empty = np.zeros(0, np.int64)
+    context = loaded.max_model_len
     rows = SamplingRows(
         temperature=np.ones(num_rows, np.float32),
         top_k=np.full(num_rows, 50, np.int64),
         top_p=np.full(num_rows, 0.9, np.float32),
         min_p=np.full(num_rows, 0.05, np.float32),
-        repetition_penalty=np.ones(num_rows, np.float32),
-        presence_penalty=np.zeros(num_rows, np.float32),
-        frequency_penalty=np.zeros(num_rows, np.float32),
+        repetition_penalty=np.full(num_rows, 1.1, np.float32),
+        presence_penalty=np.full(num_rows, 0.1, np.float32),
+        frequency_penalty=np.full(num_rows, 0.1, np.float32),
         seeded=np.zeros(num_rows, bool),
         draw_seeds=np.zeros(num_rows, np.int64),
         logprobs=np.full(num_rows, PROFILE_LOGPROBS, np.int32),
-        penalty_rows=empty,
-        penalty_tokens=np.zeros((0, 0), np.int64),
-        penalty_is_output=np.zeros((0, 0), bool),
+        penalty_rows=np.arange(num_rows, dtype=np.int64),
+        penalty_tokens=np.zeros((num_rows, context), np.int64),
+        penalty_is_output=np.ones((num_rows, context), bool),
         banned_rows=empty,
         banned_ids=empty,
     )
