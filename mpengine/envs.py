@@ -36,7 +36,9 @@ def _ints(name: str) -> frozenset[int]:
 def cache_dir() -> Path:
     if explicit := os.environ.get("MPENGINE_CACHE_DIR"):
         return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mpengine"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"  # (as XDG says)
+    return base / "mpengine"
 
 
 def write_atomically(path: str | os.PathLike[str], data: bytes) -> None:

@@ -571,8 +571,10 @@ class Scheduler:
                 if victim is seq:
                     break
                 index = self.running.index(seq)  # a waiting beam before it may have gone
-            if seq.status is not Status.RUNNING:
-                break  # it was the victim itself: nothing later in the list remains
+            if seq.status is not Status.RUNNING:  # it was the victim itself
+                if self.by_priority:
+                    continue  # more urgent sequences may follow it (the list lost it)
+                break  # nothing later in the list holds blocks
             self._grow(seq, need, block_deltas)
             self._take(seq, num_tokens, chunks)
             budget -= num_tokens

@@ -640,3 +640,38 @@ def test_announcements_carry_the_prompts_tail():
     sched.schedule()
     tails = {a.request_id: a.prompt_tail.numpy().tolist() for a in sched.take_announcements()}
     assert tails == {"long": [25, 26, 27, 28, 29], "short": [11, 12]}
+
+
+def test_a_sequence_that_preempts_itself_by_priority_does_not_end_the_step():
+    """By priority, a less urgent sequence ahead of more urgent ones in the running list
+    (admitted first) that runs out of blocks preempts itself; the more urgent ones behind
+    it still run in that step (the pass ended there, and the step planned nothing)."""
+    sched = _priority_scheduler(num_blocks=8, budget=64)
+    executor, output = FakeExecutor(4, VOCAB), FakeOutput(eos=-1)
+    params = SamplingParams(max_tokens=21, ignore_eos=True)
+    sched.add_request(AddRequest("low", Array.of(list(range(10, 17))), params, priority=5), "c")
+    feedback: list = []
+
+    def step():
+        plan = sched.schedule(feedback)
+        feedback.clear()
+        for ann in sched.take_announcements():
+            for seq_id in ann.seq_ids:
+                output.add(seq_id, ann.sampling.max_tokens)
+        if plan is not None:
+            feedback.append(output.process(executor.execute(plan)))
+        return plan
+
+    step()
+    sched.add_request(AddRequest("urgent", Array.of(list(range(20, 27))), params), "c")
+    urgent = sched.requests["c", "urgent"].seqs[0].seq_id
+    for _ in range(40):
+        preempted_before = sched.counters["preemptions"]
+        plan = step()
+        if sched.counters["preemptions"] > preempted_before:
+            (low,) = sched.preempted
+            assert low.request.request_id == "low"
+            assert plan is not None and urgent in plan.seq_ids.numpy().tolist()
+            break
+    else:
+        pytest.fail("the low-priority sequence was meant to run out of blocks")

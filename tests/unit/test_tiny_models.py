@@ -258,6 +258,8 @@ def test_the_cache_follows_xdg_unless_told(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.delenv("MPENGINE_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
     assert cache_dir() == Path("/xdg/mpengine")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # ignored, as the spec says
+    assert cache_dir() == Path.home() / ".cache" / "mpengine"
     monkeypatch.setenv("MPENGINE_CACHE_DIR", "/mine")
     assert cache_dir() == Path("/mine")
     monkeypatch.delenv("MPENGINE_CACHE_DIR")
