@@ -25,6 +25,41 @@ WEEK_S = 7 * 24 * 3600.0
 ANNOUNCE_SLACK = 64 * 1024  # a NewRequest's bytes beyond its AddRequest's
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity), fewer under a cgroup CPU quota of
+    its cgroup or one above it (``cpu.max`` in cgroup v2, ``cpu.cfs_quota_us`` in v1), as
+    containers limit CPUs (``docker run --cpus 1``)."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return cpus
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            root, files = "/sys/fs/cgroup", ("cpu.max",)
+        elif "cpu" in controllers.split(","):
+            root, files = f"/sys/fs/cgroup/{controllers}", ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        while True:
+            try:
+                values = []
+                for name in files:
+                    with open(os.path.join(root, path.lstrip("/"), name)) as f:
+                        values += f.read().split()[:2]
+                quota, period = int(values[0]), int(values[1])  # ("max": no quota)
+                if quota > 0 and period > 0:
+                    cpus = min(cpus, max(1, -(-quota // period)))
+            except (OSError, ValueError, IndexError):
+                pass
+            if path in ("/", ""):
+                break
+            path = os.path.dirname(path)
+    return cpus
+
+
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Everything the engine needs to start (``HELP`` says what each field means)."""
 
@@ -102,7 +137,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         faster (``executor/threads.py``)."""
         if self.num_threads is not None:
             return self.num_threads
-        cores = len(os.sched_getaffinity(0))
+        cores = available_cpus()
         overlapped = self.runtime in ("processes", "threads") and cores > 2
         return cores - 1 if overlapped else cores
 

@@ -30,6 +30,7 @@ import functools
 import logging
 import os
 import queue
+import resource
 import shutil
 import signal
 import site
@@ -52,7 +53,7 @@ import msgspec
 
 from mpengine.addresses import split_tcp
 from mpengine.client import AsyncClient, Client
-from mpengine.config import EngineConfig
+from mpengine.config import EngineConfig, MiB, available_cpus
 from mpengine.errors import EngineDeadError, EngineStartError
 from mpengine.protocol import (
     ModelInfo,
@@ -66,6 +67,7 @@ from mpengine.runtime.diagnose import ENGINE_FILE, write_engine_file
 from mpengine.runtime.stage import ABORT_SIGNAL, DRAIN_SIGNAL, STOP_SIGNAL
 from shm import Lockstep, Ring, sweep_stale
 from shm.reaper import Leftovers, Reaper, remove_ipc_files
+from shm.segment import free_space as shm_free_bytes
 from shm.segment import owner_prefix, pid_alive, pid_namespace
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,25 @@ STAGE_ENTRY = (
     "from mpengine.runtime.entry import main\n"
     "main()\n"
 )
+
+
+RINGS = 4  # plan, result, feedback, announce: ring_bytes each in /dev/shm
+MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path, less its NUL)
+OPEN_FILES = 65536  # the open-files limit an engine raises its soft limit to (as vLLM)
+
+
+def raise_open_files_limit() -> None:
+    """Raise this process's soft limit on open files towards ``OPEN_FILES`` (within the
+    hard limit; the stages inherit it). Each IPC client holds a few descriptors in the
+    scheduler's and output stage's sockets: at a 256 limit, about 240 clients made ZMQ
+    abort the scheduler, and the engine died for every client."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = OPEN_FILES if hard == resource.RLIM_INFINITY else min(OPEN_FILES, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            logger.warning("cannot raise the open-files limit from %d: %s", soft, exc)
 
 
 def sweep_stale_runtime_dirs() -> list[str]:
@@ -311,7 +332,19 @@ class Engine:
         self._segments: list = []
         self._ipc_dir: str | None = None  # the directory of the ipc sockets ...
         self._lock_fd: int | None = None  # ... and its engine.lock, while this engine holds it
-        swept = sweep_stale() + sweep_stale_runtime_dirs()
+        raise_open_files_limit()
+        if config.runtime == "processes" and available_cpus() < 2:
+            logger.warning(
+                "one CPU for three stage processes: runtime='serial' runs faster here (the "
+                "stages cannot overlap, and they wake each other up)"
+            )
+        try:
+            swept = sweep_stale() + sweep_stale_runtime_dirs()
+        except OSError as exc:  # (no usable temporary directory, above all)
+            raise EngineStartError(
+                f"cannot use the temporary directory for the engine's runtime files ({exc}): "
+                "set TMPDIR to a writable directory"
+            ) from None
         if swept:
             logger.info("removed %d stale shm objects and dirs of dead engines", len(swept))
         if config.address and config.address.startswith("tcp://") and not config.auth_token:
@@ -320,9 +353,15 @@ class Engine:
                 "host that reaches the port) can use the engine; give it --auth-token-file",
                 config.address,
             )
-        self.runtime_dir = tempfile.mkdtemp(
-            prefix=f"mpengine-{config.engine_id}-{os.getpid()}-{pid_namespace()}-"
-        )
+        try:
+            self.runtime_dir = tempfile.mkdtemp(
+                prefix=f"mpengine-{config.engine_id}-{os.getpid()}-{pid_namespace()}-"
+            )
+        except OSError as exc:
+            raise EngineStartError(
+                f"cannot create the engine's runtime directory ({exc}): set TMPDIR to a "
+                "writable directory"
+            ) from None
         self.processes: dict[str, StageProcess] = {}
         self._reaper: Reaper | None = None
         try:
@@ -357,6 +396,14 @@ class Engine:
             host, port = tcp
             return Wiring(f"tcp://{host}:{port}", f"tcp://{host}:{int(port) + 1}")
         base = private_dir(address[len("ipc://") :]) if address else self.runtime_dir
+        longest = os.path.join(base, max(IPC_FILES, key=len))
+        if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
+            raise EngineStartError(
+                f"the ipc socket path {longest} is longer than the {MAX_SOCKET_PATH} bytes "
+                "a Unix socket takes: "
+                + ("give a shorter ipc address" if address else "set a shorter TMPDIR")
+                + (" (or --address ipc://A_SHORT_DIR)" if not address else "")
+            )
         self._lock_fd = lock_dir(base)
         self._ipc_dir = base
         return Wiring(f"ipc://{base}/requests.sock", f"ipc://{base}/outputs.sock")
@@ -384,6 +431,14 @@ class Engine:
     def _create_segments(self) -> Wiring:
         engine_id, size = self.config.engine_id, self.config.ring_bytes
         rings = {}
+        need, free = RINGS * size, shm_free_bytes()
+        if need > free:
+            raise EngineStartError(
+                f"the engine's {RINGS} shared-memory rings need {need / MiB:.0f} MiB "
+                f"(ring_bytes {size / MiB:.1f} MiB each) in /dev/shm, which has "
+                f"{free / MiB:.0f} MiB free: enlarge /dev/shm (docker run --shm-size=1g) or "
+                "lower --ring-bytes (and --max-request-bytes below it)"
+            )
         try:
             for purpose in ("plan", "result", "feedback", "announce"):
                 rings[purpose] = Ring.create(engine_id, purpose, size)
@@ -394,6 +449,8 @@ class Engine:
                 f"engine_id {engine_id!r} is in use by another engine ({exc}): give each "
                 "engine its own id, or none"
             ) from None
+        except OSError as exc:  # (/dev/shm filled meanwhile, or no room for a semaphore)
+            raise EngineStartError(f"cannot create the engine's shared memory: {exc}") from None
         self._segments.append(done)
         return msgspec.structs.replace(
             self.wiring,

@@ -97,6 +97,12 @@ class ShmSpaceError(OSError):
     """/dev/shm has too little free space for a new segment."""
 
 
+def free_space() -> int:
+    """Bytes /dev/shm can still take."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
 def check_free_space(size: int, name: str) -> None:
     """Raise ShmSpaceError unless /dev/shm can hold ``size`` more bytes.
 

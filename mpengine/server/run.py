@@ -128,6 +128,8 @@ def _run(main: Coroutine[None, None, int]) -> int:
     try:
         import uvloop
     except ImportError:
+        uvloop = None
+    if uvloop is None:  # (outside the except block: a traceback would show the ImportError)
         return asyncio.run(main)
     if sys.version_info < (3, 11):
         uvloop.install()

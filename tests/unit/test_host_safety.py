@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+import mpengine
 from mpengine.executor.model_loader import resolve_model_path
 from mpengine.launch import (
     STAGE_ENTRY,
@@ -356,3 +357,93 @@ def test_atomic_writes_do_not_follow_planted_links(tmp_path) -> None:
         ["victim", "trace.json", f"trace.json.{os.getpid()}.tmp"]
     )
     assert (target.stat().st_mode & 0o777) == 0o666 & ~_UMASK
+
+
+def test_the_open_files_limit_is_raised() -> None:
+    """At a soft limit of 256 open files, about 240 IPC clients made ZMQ abort the
+    scheduler (every client's requests failed with the engine); vLLM raises it too."""
+    import resource
+
+    script = (
+        "import resource; from mpengine.launch import raise_open_files_limit; "
+        "raise_open_files_limit(); print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+    )
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip("the hard limit leaves nothing to raise")
+
+    def low() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+    out = subprocess.run(
+        [sys.executable, "-c", script], preexec_fn=low, capture_output=True, text=True, timeout=60
+    )
+    want = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
+    assert int(out.stdout) == want, out.stderr
+
+
+def test_a_start_without_room_says_what_to_change(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """/dev/shm too small for the rings (8 MB, under Docker's 64 MB default), a temporary
+    directory that cannot be used, or one whose path leaves no room for the sockets' names:
+    one error that says what to change (these were tracebacks, or came after the model had
+    loaded); one CPU for three stage processes is said too."""
+    monkeypatch.setattr(launch_mod, "shm_free_bytes", lambda: 8 << 20)
+    monkeypatch.setattr(launch_mod, "available_cpus", lambda: 1)
+    with (
+        caplog.at_level("WARNING", logger="mpengine.launch"),
+        pytest.raises(EngineStartError, match=r"need 32 MiB.*--ring-bytes"),
+    ):
+        mpengine.launch(model="tiny")
+    assert "one CPU for three stage processes" in caplog.text
+    monkeypatch.undo()
+
+    monkeypatch.setattr(tempfile, "tempdir", "/proc/no-such-dir")
+    with pytest.raises(EngineStartError, match="set TMPDIR"):
+        mpengine.launch(model="tiny")
+    monkeypatch.undo()
+
+    deep = Path(tempfile.mkdtemp()) / ("d" * 90)
+    deep.mkdir()
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(deep))
+        with pytest.raises(EngineStartError, match="shorter TMPDIR"):
+            mpengine.launch(model="tiny")
+    finally:
+        monkeypatch.undo()
+        shutil.rmtree(deep.parent)
+
+
+def test_available_cpus_follow_a_cgroup_quota(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``docker run --cpus 1`` leaves every core in the affinity mask: the torch threads
+    were sized for all of them."""
+    import builtins
+    import io
+
+    from mpengine import config as config_mod
+
+    files: dict[str, str] = {}
+    real_open = builtins.open
+
+    def fake_open(path, *args, **kwargs):
+        if str(path).startswith(("/proc/self/cgroup", "/sys/fs/cgroup")):
+            if str(path) not in files:
+                raise FileNotFoundError(path)
+            return io.StringIO(files[str(path)])
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(builtins, "open", fake_open)
+    files["/proc/self/cgroup"] = "0::/docker/abc\n"
+    assert config_mod.available_cpus() == 8  # no cpu.max: no quota
+    files["/sys/fs/cgroup/docker/abc/cpu.max"] = "max 100000\n"
+    files["/sys/fs/cgroup/docker/cpu.max"] = "250000 100000\n"  # a parent's quota counts
+    assert config_mod.available_cpus() == 3
+    files.clear()
+    files["/proc/self/cgroup"] = "4:cpu,cpuacct:/job\n3:memory:/job\n"
+    files["/sys/fs/cgroup/cpu,cpuacct/job/cpu.cfs_quota_us"] = "100000\n"
+    files["/sys/fs/cgroup/cpu,cpuacct/job/cpu.cfs_period_us"] = "100000\n"
+    assert config_mod.available_cpus() == 1
+    files["/sys/fs/cgroup/cpu,cpuacct/job/cpu.cfs_quota_us"] = "-1\n"  # v1: no quota
+    assert config_mod.available_cpus() == 8
