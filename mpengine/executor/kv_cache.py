@@ -19,6 +19,7 @@ decode attention 2-3x slower on the CPU.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import mmap
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ import numpy as np
 import torch
 
 from mpengine.config import EngineConfig, GiB, MiB
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_BYTES = GiB
 
@@ -77,6 +80,8 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
     the same reason a block is zeroed again when it is reused (``clear_blocks``).
     """
     shape = (spec.num_layers, 2, spec.num_kv_heads, num_blocks, spec.block_size, spec.head_dim)
+    if device.type == "cpu":
+        _warn_past_available_memory(num_blocks * spec.bytes_per_block)
     try:
         if device.type == "cpu":
             storage = _huge_page_zeros(shape, spec.dtype)
@@ -89,6 +94,40 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
             "kv_cache_bytes, num_gpu_blocks_override or gpu_memory_utilization"
         ) from None
     return storage
+
+
+def available_memory() -> int | None:
+    """Bytes this process could still fill: the kernel's ``MemAvailable``, less under a
+    cgroup v2 memory limit (``memory.max`` less ``memory.current``); None if unknown."""
+    available = None
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+        available = int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/cgroup") as f:
+            path = next(line[3:].strip() for line in f if line.startswith("0::"))
+        group = f"/sys/fs/cgroup/{path.lstrip('/')}"
+        with open(f"{group}/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open(f"{group}/memory.current") as f:
+                left = int(limit) - int(f.read())
+            available = left if available is None else min(available, left)
+    return available
+
+
+def _warn_past_available_memory(size: int) -> None:
+    """The CPU cache's pages are taken as it fills: one larger than the memory left starts,
+    and the executor is killed for lack of memory once it fills, mid-serving."""
+    available = available_memory()
+    if available is not None and size > available:
+        logger.warning(
+            "the KV cache (%.1f GiB) is larger than the memory available (%.1f GiB): the "
+            "executor may be killed for lack of memory once it fills; lower kv_cache_bytes",
+            size / GiB,
+            available / GiB,
+        )
 
 
 def clear_blocks(storage: torch.Tensor, blocks: torch.Tensor) -> None:

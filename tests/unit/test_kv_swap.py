@@ -28,3 +28,24 @@ def test_blocks_round_trip_through_the_swap_space():
         swapper.swap_in(np.array([4, 0], np.int32))  # host block 4 of 4
     with pytest.raises(ValueError, match="out of range"):
         swapper.swap_out(np.array([6, 0], np.int32))  # device block 6 of 6
+
+
+def test_a_cpu_cache_past_the_memory_left_is_warned_about(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CPU cache's pages are taken as it fills: one larger than the memory left (or a
+    container's limit) started silently, and the executor would be killed mid-serving."""
+    from mpengine.executor import kv_cache
+
+    spec = kv_cache.KVCacheSpec(
+        num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.float32
+    )
+    monkeypatch.setattr(kv_cache, "available_memory", lambda: 1000)
+    with caplog.at_level("WARNING", logger="mpengine.executor.kv_cache"):
+        kv_cache.allocate_kv_cache(spec, 64, torch.device("cpu"))  # 16 KiB
+    assert "larger than the memory available" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(kv_cache, "available_memory", lambda: 1 << 30)
+    with caplog.at_level("WARNING", logger="mpengine.executor.kv_cache"):
+        kv_cache.allocate_kv_cache(spec, 64, torch.device("cpu"))
+    assert "memory available" not in caplog.text
