@@ -98,7 +98,7 @@ class ServerMetrics:
         self.registry.register(self.engine)
 
     def tracker(self, num_prompt_tokens: int, n: int, ranked: bool = False) -> RequestTracker:
-        return RequestTracker(self, num_prompt_tokens, n, ranked)
+        return RequestTracker(self, num_prompt_tokens, n, ranked, time.monotonic())
 
     def success(self, reason: str) -> None:
         self.request_success.labels(self.model_name, reason).inc()
@@ -118,18 +118,31 @@ class RequestTracker:
     A ``ranked`` request (``best_of > n``, beam search) arrives whole at its end, one
     finished output per returned sample; its generated tokens are what the outputs' own
     ``num_generated_tokens`` say (every sample's, returned or not, as the usage counts).
+
+    Times are the HTTP process's own, from ``started`` (its prompt tokenized), as vLLM's
+    front end takes them: time to first token when the first token arrives (a stream the
+    client dropped had none before), end-to-end latency and the request's token counts
+    when it ends, aborted too.
     """
 
     def __init__(
-        self, metrics: ServerMetrics, num_prompt_tokens: int, n: int, ranked: bool = False
+        self,
+        metrics: ServerMetrics,
+        num_prompt_tokens: int,
+        n: int,
+        ranked: bool = False,
+        started: float = 0.0,
     ) -> None:
         self.metrics = metrics
         self.num_prompt_tokens = num_prompt_tokens
         self.ranked = ranked
+        self.started = started  # monotonic seconds
         self.num_generated = 0
         self.open_samples = set(range(n))
         self.last_output_at: dict[int, float] = {}  # sample index -> monotonic seconds
         self.answered = False
+        self.first_token_seen = False
+        self.ended = False
 
     def on_output(self, delta: RequestOutput, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -140,6 +153,9 @@ class RequestTracker:
         if self.ranked and delta.num_generated_tokens:
             m.generation_tokens.inc(delta.num_generated_tokens)
             self.num_generated += delta.num_generated_tokens
+        if not self.first_token_seen and any(s.token_ids for s in delta.outputs):
+            self.first_token_seen = True
+            m.ttft.observe(max(0.0, now - self.started))
         for sample in delta.outputs:
             if sample.token_ids:
                 if not self.ranked:
@@ -153,15 +169,17 @@ class RequestTracker:
                 self.open_samples.discard(sample.index)
                 m.success(sample.finish_reason)
         if delta.finished:
-            self._finished(delta)
+            t = delta.metrics
+            if t.scheduled_time:
+                m.queue.observe(max(0.0, t.scheduled_time - t.arrival_time))
+            self._ended(now)
 
-    def _finished(self, output: RequestOutput) -> None:
-        m, t = self.metrics, output.metrics
-        if t.first_token_time:
-            m.ttft.observe(max(0.0, t.first_token_time - t.arrival_time))
-        if t.scheduled_time:
-            m.queue.observe(max(0.0, t.scheduled_time - t.arrival_time))
-        m.e2e.observe(max(0.0, t.finished_time - t.arrival_time))
+    def _ended(self, now: float) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        m = self.metrics
+        m.e2e.observe(max(0.0, now - self.started))
         m.request_prompt_tokens.observe(self.num_prompt_tokens)
         m.request_generation_tokens.observe(self.num_generated)
 
@@ -170,10 +188,12 @@ class RequestTracker:
         finished nothing, as vLLM counts."""
         self.open_samples.clear()
 
-    def on_abandoned(self) -> None:
+    def on_abandoned(self, now: float | None = None) -> None:
         for _ in self.open_samples:
             self.metrics.success("abort")
         self.open_samples.clear()
+        if self.answered:  # (its prompt tokens were counted: its histograms count it too)
+            self._ended(time.monotonic() if now is None else now)
 
 
 class EngineCollector(Collector):

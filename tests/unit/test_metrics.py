@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mpengine.client import CompletionOutput, RequestMetrics, RequestOutput
-from mpengine.metrics import ServerMetrics, token_buckets
+from mpengine.metrics import RequestTracker, ServerMetrics, token_buckets
 from mpengine.protocol import EngineStats, StageTimes
 
 
@@ -37,7 +37,7 @@ def delta(
 
 def test_one_request_counts_exactly() -> None:
     metrics = ServerMetrics("m", 4096)
-    tracker = metrics.tracker(num_prompt_tokens=5, n=2)
+    tracker = RequestTracker(metrics, num_prompt_tokens=5, n=2, started=0.0)
     timing = RequestMetrics(
         arrival_time=100.0, scheduled_time=100.5, first_token_time=101.0, finished_time=103.0
     )
@@ -55,9 +55,9 @@ def test_one_request_counts_exactly() -> None:
     assert v["mpengine:inter_token_latency_seconds_count", ()] == 3
     assert v["mpengine:inter_token_latency_seconds_sum", ()] == pytest.approx(1.65)
     for name, value in (
-        ("time_to_first_token_seconds", 1.0),
-        ("request_queue_time_seconds", 0.5),
-        ("e2e_request_latency_seconds", 3.0),
+        ("time_to_first_token_seconds", 1.0),  # the HTTP process's times, from started
+        ("request_queue_time_seconds", 0.5),  # the engine's
+        ("e2e_request_latency_seconds", 2.0),
         ("request_prompt_tokens", 5),
         ("request_generation_tokens", 6),
     ):
@@ -68,17 +68,31 @@ def test_one_request_counts_exactly() -> None:
 
 
 def test_an_abandoned_request_counts_its_open_samples_as_aborted() -> None:
+    """... and is a request of the histograms too, as vLLM counts aborted ones: a dropped
+    stream counted its prompt tokens in prompt_tokens_total but had no TTFT, and was in no
+    histogram."""
     metrics = ServerMetrics("m", 4096)
-    tracker = metrics.tracker(num_prompt_tokens=3, n=3)
-    tracker.on_output(delta(0, [1], "length"), now=0.0)
-    tracker.on_output(delta(1, [2]), now=0.1)
-    tracker.on_abandoned()
-    tracker.on_abandoned()  # once only
+    tracker = RequestTracker(metrics, num_prompt_tokens=3, n=3, started=0.0)
+    tracker.on_output(delta(0, [1], "length"), now=0.25)
+    tracker.on_output(delta(1, [2]), now=0.5)
+    tracker.on_abandoned(now=1.0)
+    tracker.on_abandoned(now=2.0)  # once only
     v = values(metrics)
     assert v["mpengine:request_success_total", (("finished_reason", "length"),)] == 1
     assert v["mpengine:request_success_total", (("finished_reason", "abort"),)] == 2
     assert v["mpengine:prompt_tokens_total", ()] == 3
-    assert v["mpengine:e2e_request_latency_seconds_count", ()] == 0  # its end was not seen
+    for name, value in (
+        ("time_to_first_token_seconds", 0.25),
+        ("e2e_request_latency_seconds", 1.0),
+        ("request_prompt_tokens", 3),
+        ("request_generation_tokens", 2),
+    ):
+        assert v[f"mpengine:{name}_count", ()] == 1, name
+        assert v[f"mpengine:{name}_sum", ()] == pytest.approx(value), name
+    assert v["mpengine:request_prompt_tokens_sum", ()] == v["mpengine:prompt_tokens_total", ()]
+    unanswered = RequestTracker(metrics, num_prompt_tokens=7, n=1, started=0.0)
+    unanswered.on_abandoned(now=1.0)  # no output: no prompt tokens counted, no histogram
+    assert values(metrics)["mpengine:request_prompt_tokens_count", ()] == 1
 
 
 def test_engine_numbers_are_the_engines_own() -> None:
@@ -125,7 +139,7 @@ def test_a_ranked_request_is_one_request_of_every_sample_s_tokens() -> None:
     """best_of > n (or beam search): the result arrives whole, one finished output per
     returned sample, the first carrying every sample's tokens (returned or not)."""
     metrics = ServerMetrics("m", 4096)
-    tracker = metrics.tracker(num_prompt_tokens=4, n=2, ranked=True)
+    tracker = RequestTracker(metrics, num_prompt_tokens=4, n=2, ranked=True, started=0.0)
     timing = RequestMetrics(
         arrival_time=10.0, scheduled_time=10.25, first_token_time=11.0, finished_time=12.0
     )
@@ -139,7 +153,7 @@ def test_a_ranked_request_is_one_request_of_every_sample_s_tokens() -> None:
     assert v["mpengine:inter_token_latency_seconds_count", ()] == 0
     for name, value in (
         ("time_to_first_token_seconds", 1.0),
-        ("e2e_request_latency_seconds", 2.0),
+        ("e2e_request_latency_seconds", 1.0),
         ("request_generation_tokens", 9),
     ):
         assert v[f"mpengine:{name}_count", ()] == 1, name
