@@ -40,7 +40,6 @@ def run_serial(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
     outputs = output_edge(config, wiring)
     front = FrontDoor(requests, scheduler, engine_info(config, model, wiring), clock.report)
     door = OutputDoor(outputs, processor, config)
-    feedback = []
     control.ready(model)
     try:
         while not stop:
@@ -54,12 +53,11 @@ def run_serial(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
             door.greet()
             started = clock.work(OUTPUT, "greet")
             # 2. schedule
-            plan = scheduler.schedule(feedback)
+            plan = scheduler.schedule()
             clock.work(SCHEDULER, "schedule")
             if plan is not None:
                 clock.begin_step(SCHEDULER, plan.step, start=started)
                 clock.end_step(SCHEDULER)
-            feedback = []
             deltas = []
             for announcement in scheduler.take_announcements():
                 deltas += processor.announce(announcement)
@@ -73,7 +71,10 @@ def run_serial(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
                 clock.begin_step(OUTPUT, plan.step)
                 step_feedback, step_deltas = processor.process(result)
                 clock.work(OUTPUT, "process")
-                feedback.append(step_feedback)
+                # Before the outputs go: whoever reads the engine's stats after them finds
+                # this step done (they lagged a step behind the outputs).
+                scheduler.apply_feedback(step_feedback)
+                clock.work(SCHEDULER, "feedback")
                 deltas += step_deltas
             # 5. stream
             door.send(deltas)

@@ -334,4 +334,5 @@ def merge_trace(trace: str, processes: Iterable[str]) -> list[str]:
         return []
     for process in merged:
         Path(part_path(trace, process)).unlink(missing_ok=True)
+    logger.info("trace of %s written to %s", ", ".join(merged) or "no stage", trace)
     return merged

@@ -63,6 +63,16 @@ def test_counters_after_a_known_workload_are_consistent(engine, runtime):
         assert {"result_ring", "feedback_ring"} <= set(stages["output"].waits)
 
 
+def test_stats_read_after_the_outputs_count_their_step(engine):
+    """The serial runtime sent a step's outputs before its feedback reached the scheduler:
+    stats read right after a request's output still showed it running (26 of 30)."""
+    with engine("serial").client() as client:
+        for i in range(10):
+            client.generate(f"fresh {i}", SamplingParams(max_tokens=2, temperature=0.0))
+            stats = client.stats()
+            assert (stats.num_running, stats.step) == (0, stats.done), stats
+
+
 def test_stats_command_prints_the_breakdown(engine):
     address = engine("processes").address
     with mpengine.Client(address) as client:
