@@ -91,6 +91,12 @@ class ServerMetrics:
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt tokens per request.", tokens
         ).labels(m)
+        self.http_requests = Counter(  # (vLLM's name, without its prefix)
+            "http_requests_total",
+            "HTTP answers, by handler, method and status class.",
+            ["handler", "method", "status"],
+            registry=self.registry,
+        )
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request (all samples).", tokens
         ).labels(m)

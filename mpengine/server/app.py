@@ -69,7 +69,7 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, limit=state.max_body_bytes)
     if state.api_key is not None:  # before the body is read: 401 whatever it holds
         app.add_middleware(ApiKey, key=state.api_key)
-    if cors is not None:  # outermost: a preflight is answered before the key is asked for
+    if cors is not None:  # a preflight is answered before the key is asked for
         app.add_middleware(
             CORSMiddleware,
             allow_origins=cors.origins,
@@ -77,6 +77,7 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
             allow_headers=cors.headers,
             allow_credentials=cors.credentials,
         )
+    app.add_middleware(CountResponses, state=state)  # outermost: every answer counts
 
     def check_generates(name: str | None) -> None:
         """400 for a generation request to a model that only embeds."""
@@ -189,6 +190,48 @@ class ApiKey:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class CountResponses:
+    """``http_requests_total{handler, method, status}`` as vLLM's instrumentator counts them
+    (status as ``2xx``...; a path the server does not serve counts as ``none``): refused
+    requests (400, 401, 413, 503) show in no other metric."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.counter = state.metrics.http_requests
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+
+        async def counting(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                handler = path if path in ROUTES else "none"
+                if path.startswith("/v1/models/"):
+                    handler = "/v1/models/{name}"
+                status = f"{message['status'] // 100}xx"
+                self.counter.labels(handler, scope.get("method", ""), status).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting)
+
+
+ROUTES = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/models",
+        "/health",
+        "/version",
+        "/metrics",
+        "/tokenize",
+        "/detokenize",
+    }
+)
 
 
 class BodyLimit:

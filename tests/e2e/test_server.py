@@ -996,6 +996,37 @@ def _metrics(server: Served) -> dict[tuple[str, tuple], float]:
     return values
 
 
+def _http_counts(server: Served) -> dict[tuple[str, str, str], float]:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=REQUEST_TIMEOUT_S) as reply:
+        text = reply.read().decode()
+    return {
+        (s.labels["handler"], s.labels["method"], s.labels["status"]): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "http_requests"
+        for s in family.samples
+        if s.name == "http_requests_total"
+    }
+
+
+def test_http_answers_are_counted_by_handler_and_status(server: Served) -> None:
+    """Refused requests showed in no metric (vLLM counts every answer by status class)."""
+    before = _http_counts(server)
+    assert http(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    assert http(server, "/v1/completions", {"prompt": "x", "max_tokens": -1})[0] == 400
+    assert http(server, "/v1/completions", {"prompt": "x"}, key="wrong")[0] == 401
+    assert http(server, "/no/such/path")[0] == 404
+    assert http(server, f"/v1/models/{NAMES[0]}")[0] == 200
+    after = _http_counts(server)
+
+    def delta(*key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("/v1/completions", "POST", "2xx") == 1
+    assert delta("/v1/completions", "POST", "4xx") == 2
+    assert delta("none", "GET", "4xx") == 1
+    assert delta("/v1/models/{name}", "GET", "2xx") == 1
+
+
 def test_metrics_count_a_known_workload_exactly(server: Served, api: openai.OpenAI, ipc) -> None:
     ids = tokenize(server, prompt="alpha beta")
     stop_id = greedy(ipc, ids, 3)[2]
