@@ -185,8 +185,9 @@ class Scheduler:
         """Queue a request, or raise RequestRejected with a message for its client."""
         try:
             self._queue(req, client_id)
-        except RequestRejected:
+        except RequestRejected as exc:
             self.counters["rejected"] += 1
+            logger.debug("refused request %r: %s", req.request_id, exc)
             raise
         self.counters["received"] += 1
 

@@ -82,3 +82,40 @@ class EngineMonitor:
             else "no stats"
         )
         return f"{model}: {problem or 'serving'}; {counts}"
+
+
+STATS_LOG_INTERVAL_S = 10.0
+
+
+class StatsLog:
+    """The periodic line vLLM's servers log while they work: throughput over the last
+    interval, requests running and waiting, KV cache use, prefix cache hit rate. Nothing
+    while the engine is idle."""
+
+    def __init__(self, interval: float = STATS_LOG_INTERVAL_S) -> None:
+        self.interval = interval
+        self.last: EngineStats | None = None
+        self.last_at = 0.0
+
+    def line(self, stats: EngineStats, now: float) -> str | None:
+        """The line due at ``now``, if any."""
+        if self.last is None:
+            self.last, self.last_at = stats, now
+            return None
+        if now - self.last_at < self.interval:
+            return None
+        prev, seconds = self.last, now - self.last_at
+        self.last, self.last_at = stats, now
+        generated = stats.generated_tokens - prev.generated_tokens
+        prompt = max(0, stats.computed_tokens - prev.computed_tokens - generated)
+        waiting = stats.num_waiting + stats.num_preempted
+        if not (generated or prompt or stats.num_running or waiting):
+            return None
+        used = 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0
+        queries = stats.prefix_cache_queries - prev.prefix_cache_queries
+        hits = stats.prefix_cache_hits - prev.prefix_cache_hits
+        return (
+            f"prompt {prompt / seconds:.1f} tokens/s, generation {generated / seconds:.1f} "
+            f"tokens/s; {stats.num_running} running, {waiting} waiting; KV cache {used:.1%} "
+            f"used; prefix cache hits {hits / queries if queries else 0.0:.1%}"
+        )

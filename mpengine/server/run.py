@@ -35,7 +35,7 @@ from mpengine.runtime.diagnose import ipc_dir, read_engine_file, write_engine_fi
 from mpengine.runtime.notify import Notifier
 from mpengine.runtime.stage import STACKS_SIGNAL, configure_logging
 from mpengine.server.app import Cors, build_app
-from mpengine.server.health import EngineMonitor, has_work
+from mpengine.server.health import EngineMonitor, StatsLog, has_work
 from mpengine.server.state import ServerState
 from mpengine.server.text import TextTools, load_chat_template
 
@@ -261,12 +261,17 @@ def _announce(engine: Engine, listener: socket.socket, model: str, scheme: str) 
 
 
 async def _watch(monitor: EngineMonitor, notifier: Notifier, model: str, interval: float) -> None:
-    """Ping the watchdog only while the pipeline is healthy; keep STATUS= current."""
+    """Ping the watchdog only while the pipeline is healthy; keep STATUS= current; log the
+    engine's throughput now and then while it works."""
+    stats_log = StatsLog()
+    loop = asyncio.get_running_loop()
     while True:
-        await monitor.poll()
+        stats = await monitor.poll()
         if monitor.problem() is None:
             notifier.watchdog()
         notifier.status(monitor.status(model))
+        if stats is not None and (line := stats_log.line(stats, loop.time())):
+            logger.info("%s", line)
         await asyncio.sleep(interval)
 
 

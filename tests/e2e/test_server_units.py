@@ -601,3 +601,27 @@ def test_token_ids_are_json_integers(body: dict) -> None:
     """pydantic's lax mode took true as token 1 and 4.0 as 4."""
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate(body)
+
+
+def test_the_server_logs_its_throughput_while_it_works() -> None:
+    """vLLM's servers log a line of throughput and queue now and then; this one logged
+    nothing between start-up and shutdown."""
+    from mpengine.server.health import StatsLog
+
+    def stats(generated: int, computed: int, running: int, free: int) -> EngineStats:
+        fields = dict.fromkeys(EngineStats.__struct_fields__, 0)
+        fields.update(query_id=0, stages={}, generated_tokens=generated)
+        fields.update(computed_tokens=computed, num_running=running)
+        fields.update(num_blocks=100, num_free_blocks=free)
+        fields.update(prefix_cache_queries=computed, prefix_cache_hits=computed // 4)
+        return EngineStats(**fields)
+
+    log = StatsLog(interval=10.0)
+    assert log.line(stats(0, 0, 0, 100), now=0.0) is None  # the first reading
+    assert log.line(stats(50, 500, 2, 75), now=5.0) is None  # not yet due
+    line = log.line(stats(100, 1100, 2, 75), now=10.0)
+    assert line == (
+        "prompt 100.0 tokens/s, generation 10.0 tokens/s; 2 running, 0 waiting; "
+        "KV cache 25.0% used; prefix cache hits 25.0%"
+    )
+    assert log.line(stats(100, 1100, 0, 100), now=20.0) is None  # idle: nothing to say
