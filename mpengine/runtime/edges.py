@@ -34,9 +34,8 @@ class Sent(enum.Enum):
     GONE = "gone"  # no such client connected
 
 
-# Replies (errors, stats, the tokenizer file) queued at most for one client on the request
-# edge: a client that asks and never reads made the scheduler's memory grow until it was
-# killed. A reading client's I/O thread takes them as they come.
+# Replies (errors, stats, the tokenizer file) queued in ZMQ for one client on the request
+# edge; more wait in the front door's backlog, bounded in bytes (``front.py``).
 REPLY_HWM = 64
 
 
@@ -77,7 +76,7 @@ class Edge:
     """A bound ROUTER: receive ``(client_id, frame)`` pairs, send to a client by id.
 
     Frames up to ``max_frame_bytes`` are received; a larger one up to twice that gets an
-    error reply (``reply_error``), anything larger closes the sender's connection unread.
+    error reply (``error_for``), anything larger closes the sender's connection unread.
     """
 
     def __init__(
@@ -122,10 +121,11 @@ class Edge:
                 return Sent.GONE
             raise
 
-    def reply_error(
-        self, client_id: bytes, frame: bytes, exc: Exception | str, kind: str = "too_large"
-    ) -> None:
-        """Answer a request that could not be taken; name it if its id can be read."""
+    def error_for(
+        self, frame: bytes, exc: Exception | str, kind: str = "too_large"
+    ) -> RequestError:
+        """The answer to a request that could not be taken, naming it if its id can be
+        read."""
         try:
             request_id = msgspec.msgpack.decode(frame, type=RequestHeader).request_id
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -135,7 +135,7 @@ class Edge:
         else:
             message, kind = describe_error(exc, AddRequest), "invalid"
         logger.info("rejected request %r: %s", request_id, message)
-        self.send(client_id, encoder.encode(RequestError(request_id, message, kind)))
+        return RequestError(request_id, message, kind)
 
     def send_outputs(self, batches: dict[str, list]) -> dict[str, Sent]:
         """Send each client its deltas as one message; return the clients not reached."""

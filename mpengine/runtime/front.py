@@ -13,7 +13,7 @@ final deltas (with what it had not received) wait in a small backlog until it re
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,6 +42,8 @@ from mpengine.scheduler import RequestRejected, Scheduler
 
 TOKENIZER_REPLIES = 4  # tokenizer files sent to one client at most
 TOKENIZER_CLIENTS = 4096  # clients whose tokenizer replies are counted (the latest ones)
+MAX_PENDING_REPLY_BYTES = 64 << 20  # replies kept for one client that does not read yet
+BACKLOG_POLL_S = 0.002  # how soon kept replies are tried again
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +75,16 @@ class FrontDoor:
         # Tokenizer replies per client (the most recent clients): one is all a client needs,
         # and each can be megabytes queued for a client that does not read.
         self._tokenizer_sent: OrderedDict[bytes, int] = OrderedDict()
+        # Replies waiting for clients that read slower than they come (see _reply).
+        self._backlog: dict[bytes, deque[bytes]] = {}
+        self._backlog_bytes: dict[bytes, int] = {}
 
     def serve(self, timeout_s: float) -> int:
-        """Handle every waiting client frame (waiting up to ``timeout_s`` for one)."""
+        """Handle every waiting client frame (waiting up to ``timeout_s`` for one, less
+        while replies wait for clients to read)."""
+        if self._backlog:
+            self._flush()
+            timeout_s = min(timeout_s, BACKLOG_POLL_S)
         frames = self.edge.receive(timeout_s)
         for client_id, frame in frames:
             self.handle(client_id, frame)
@@ -87,19 +96,19 @@ class FrontDoor:
                 f"request of {len(frame)} bytes exceeds max_request_bytes "
                 f"({self.edge.max_frame_bytes})"
             )
-            self.edge.reply_error(client_id, frame, message)
+            self._reply(client_id, self.edge.error_for(frame, message))
             return
         try:
             msg = self.decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self.edge.reply_error(client_id, frame, exc)
+            self._reply(client_id, self.edge.error_for(frame, exc))
             return
         try:
             client = client_id.decode()
         except UnicodeDecodeError:
             # Outputs are routed by this id from the output processor: it must be text.
             message = "the client's routing id must be UTF-8 text (set zmq.ROUTING_ID)"
-            self.edge.reply_error(client_id, frame, message, "invalid")
+            self._reply(client_id, self.edge.error_for(frame, message, "invalid"))
             return
         match msg:
             case AddRequest():
@@ -127,8 +136,37 @@ class FrontDoor:
                 self._reply(client_id, TokenizerFile(msg.query_id, self._tokenizer()))
 
     def _reply(self, client_id: bytes, msg: msgspec.Struct) -> None:
-        if self.edge.send(client_id, encoder.encode(msg)) is Sent.FULL:
-            logger.debug("dropped a %s for %r: it does not read", type(msg).__name__, client_id)
+        """Send ``msg``, or keep it (in order) until the client reads: a refusal dropped
+        left its request unanswered forever (the HTTP server, one client of the engine,
+        lost 81 of 2,836 refusals of a 9,000-request burst). A client that holds
+        ``MAX_PENDING_REPLY_BYTES`` unread gets nothing more kept."""
+        data = encoder.encode(msg)
+        backlog = self._backlog.get(client_id)
+        if backlog is None:
+            sent = self.edge.send(client_id, data)
+            if sent is not Sent.FULL:
+                return  # (sent, or the client is gone)
+            backlog = self._backlog[client_id] = deque()
+            self._backlog_bytes[client_id] = 0
+        if self._backlog_bytes[client_id] + len(data) > MAX_PENDING_REPLY_BYTES:
+            logger.warning("dropped a %s for %r: it does not read", type(msg).__name__, client_id)
+            return
+        backlog.append(data)
+        self._backlog_bytes[client_id] += len(data)
+
+    def _flush(self) -> None:
+        """Send what waits for clients, as far as they read."""
+        for client_id in list(self._backlog):
+            backlog = self._backlog[client_id]
+            while backlog:
+                sent = self.edge.send(client_id, backlog[0])
+                if sent is Sent.FULL:
+                    break
+                self._backlog_bytes[client_id] -= len(backlog.popleft())
+                if sent is Sent.GONE:
+                    backlog.clear()
+            if not backlog:
+                del self._backlog[client_id], self._backlog_bytes[client_id]
 
     def _tokenizer(self) -> bytes:
         """The engine's ``tokenizer.json`` (empty when it has none to share)."""
