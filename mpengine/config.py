@@ -36,24 +36,31 @@ def available_cpus() -> int:
     except OSError:
         return cpus
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         if controllers == "":
-            root, files = "/sys/fs/cgroup", ("cpu.max",)
+            roots, files = ["/sys/fs/cgroup"], ("cpu.max",)
         elif "cpu" in controllers.split(","):
-            root, files = f"/sys/fs/cgroup/{controllers}", ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            # (v1 mounts the controller as "cpu,cpuacct", some hosts as "cpu" alone)
+            roots = [f"/sys/fs/cgroup/{controllers}", "/sys/fs/cgroup/cpu"]
+            files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
         else:
             continue
         while True:
-            try:
-                values = []
-                for name in files:
-                    with open(os.path.join(root, path.lstrip("/"), name)) as f:
-                        values += f.read().split()[:2]
-                quota, period = int(values[0]), int(values[1])  # ("max": no quota)
+            for root in roots:
+                try:
+                    values = []
+                    for name in files:
+                        with open(os.path.join(root, path.lstrip("/"), name)) as f:
+                            values += f.read().split()[:2]
+                    quota, period = int(values[0]), int(values[1])  # ("max": no quota)
+                except (OSError, ValueError, IndexError):
+                    continue
                 if quota > 0 and period > 0:
                     cpus = min(cpus, max(1, -(-quota // period)))
-            except (OSError, ValueError, IndexError):
-                pass
+                break
             if path in ("/", ""):
                 break
             path = os.path.dirname(path)

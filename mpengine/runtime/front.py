@@ -13,6 +13,7 @@ final deltas (with what it had not received) wait in a small backlog until it re
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,7 @@ TOKENIZER_REPLIES = 4  # tokenizer files sent to one client at most
 TOKENIZER_CLIENTS = 4096  # clients whose tokenizer replies are counted (the latest ones)
 MAX_PENDING_REPLY_BYTES = 64 << 20  # replies kept for one client that does not read yet
 BACKLOG_POLL_S = 0.002  # how soon kept replies are tried again
+BACKLOG_STALL_S = 60.0  # a client that reads none of them for this long gets them no more
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,8 @@ class FrontDoor:
         # Replies waiting for clients that read slower than they come (see _reply).
         self._backlog: dict[bytes, deque[bytes]] = {}
         self._backlog_bytes: dict[bytes, int] = {}
+        self._stalled_since: dict[bytes, float] = {}  # since it last read one of them
+        self._dropping: set[bytes] = set()  # clients whose replies pass the byte bound
 
     def serve(self, timeout_s: float) -> int:
         """Handle every waiting client frame (waiting up to ``timeout_s`` for one, less
@@ -148,16 +152,22 @@ class FrontDoor:
                 return  # (sent, or the client is gone)
             backlog = self._backlog[client_id] = deque()
             self._backlog_bytes[client_id] = 0
+            self._stalled_since[client_id] = time.monotonic()
         if self._backlog_bytes[client_id] + len(data) > MAX_PENDING_REPLY_BYTES:
-            logger.warning("dropped a %s for %r: it does not read", type(msg).__name__, client_id)
+            if client_id not in self._dropping:  # (once: a flood of them is one line)
+                self._dropping.add(client_id)
+                logger.warning("dropping replies for %r: it does not read them", client_id)
             return
         backlog.append(data)
         self._backlog_bytes[client_id] += len(data)
 
     def _flush(self) -> None:
-        """Send what waits for clients, as far as they read."""
+        """Send what waits for clients, as far as they read; forget what waits for a client
+        that read none of it for ``BACKLOG_STALL_S`` (gone without a word, or stuck)."""
+        now = time.monotonic()
         for client_id in list(self._backlog):
             backlog = self._backlog[client_id]
+            before = len(backlog)
             while backlog:
                 sent = self.edge.send(client_id, backlog[0])
                 if sent is Sent.FULL:
@@ -165,8 +175,20 @@ class FrontDoor:
                 self._backlog_bytes[client_id] -= len(backlog.popleft())
                 if sent is Sent.GONE:
                     backlog.clear()
+            if len(backlog) < before:
+                self._stalled_since[client_id] = now
+            elif now - self._stalled_since[client_id] > BACKLOG_STALL_S:
+                logger.warning(
+                    "dropped %d replies for %r: it read none for %.0f s",
+                    len(backlog),
+                    client_id,
+                    BACKLOG_STALL_S,
+                )
+                backlog.clear()
             if not backlog:
                 del self._backlog[client_id], self._backlog_bytes[client_id]
+                del self._stalled_since[client_id]
+                self._dropping.discard(client_id)
 
     def _tokenizer(self) -> bytes:
         """The engine's ``tokenizer.json`` (empty when it has none to share)."""

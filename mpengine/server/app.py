@@ -206,19 +206,29 @@ class CountResponses:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
+        handler = path if path in ROUTES else "none"
+        if path.startswith("/v1/models/"):
+            handler = "/v1/models/{name}"
+        method = scope.get("method", "")
+        method = method if method in METHODS else "other"  # (any token is a method to h11)
+        started = False
 
         async def counting(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
-                handler = path if path in ROUTES else "none"
-                if path.startswith("/v1/models/"):
-                    handler = "/v1/models/{name}"
-                status = f"{message['status'] // 100}xx"
-                self.counter.labels(handler, scope.get("method", ""), status).inc()
+                started = True
+                self.counter.labels(handler, method, f"{message['status'] // 100}xx").inc()
             await send(message)
 
-        await self.app(scope, receive, counting)
+        try:
+            await self.app(scope, receive, counting)
+        except Exception:
+            if not started:  # answered 500 by the server's error handler, outside this one
+                self.counter.labels(handler, method, "5xx").inc()
+            raise
 
 
+METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 ROUTES = frozenset(
     {
         "/v1/completions",

@@ -106,6 +106,8 @@ class StatsLog:
             return None
         prev, seconds = self.last, now - self.last_at
         self.last, self.last_at = stats, now
+        if stats.generated_tokens < prev.generated_tokens:  # another engine: a new start
+            return None
         generated = stats.generated_tokens - prev.generated_tokens
         prompt = max(0, stats.computed_tokens - prev.computed_tokens - generated)
         waiting = stats.num_waiting + stats.num_preempted

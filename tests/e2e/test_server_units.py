@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from mpengine.errors import EngineDeadError, InvalidRequestError
@@ -625,3 +626,48 @@ def test_the_server_logs_its_throughput_while_it_works() -> None:
         "KV cache 25.0% used; prefix cache hits 25.0%"
     )
     assert log.line(stats(100, 1100, 0, 100), now=20.0) is None  # idle: nothing to say
+    assert log.line(stats(5, 50, 1, 90), now=30.0) is None  # counters went back: a new start
+    assert log.line(stats(15, 100, 1, 90), now=40.0).startswith("prompt 4.0 tokens/s, gen")
+
+
+def test_http_answers_count_known_methods_and_crashed_handlers() -> None:
+    """Any token is a method to h11: each made-up one was a new series of the counter,
+    for clients without a key too; and a handler that raised (the server's error handler
+    answers 500, outside the counting middleware) was not counted."""
+    from mpengine.server.app import CountResponses
+
+    metrics = ServerMetrics("m", 16)
+
+    async def crash(scope, receive, send) -> None:
+        raise RuntimeError("a bug")
+
+    async def ok(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def noop(message) -> None:
+        return None
+
+    async def main() -> None:
+        state = SimpleNamespace(metrics=metrics)
+        for method in ("X0", "X1", "GET"):
+            await CountResponses(ok, state)(
+                {"type": "http", "path": "/health", "method": method}, None, noop
+            )
+        with pytest.raises(RuntimeError):
+            scope = {"type": "http", "path": "/v1/completions", "method": "POST"}
+            await CountResponses(crash, state)(scope, None, noop)
+
+    asyncio.run(main())
+    counts = {
+        tuple(s.labels.values()): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        if family.name == "http_requests"
+        for s in family.samples
+        if s.name == "http_requests_total"
+    }
+    assert counts == {
+        ("/health", "other", "2xx"): 2,
+        ("/health", "GET", "2xx"): 1,
+        ("/v1/completions", "POST", "5xx"): 1,
+    }

@@ -435,7 +435,7 @@ def test_available_cpus_follow_a_cgroup_quota(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.setattr(builtins, "open", fake_open)
-    files["/proc/self/cgroup"] = "0::/docker/abc\n"
+    files["/proc/self/cgroup"] = "\nno colons here\n0::/docker/abc\n"  # (odd lines skipped)
     assert config_mod.available_cpus() == 8  # no cpu.max: no quota
     files["/sys/fs/cgroup/docker/abc/cpu.max"] = "max 100000\n"
     files["/sys/fs/cgroup/docker/cpu.max"] = "250000 100000\n"  # a parent's quota counts
