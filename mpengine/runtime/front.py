@@ -2,7 +2,8 @@
 
 ``FrontDoor`` (scheduler side): client frames in, scheduler calls and replies out. A bad
 frame or a rejected request gets a ``RequestError`` for that request only; nothing a client
-sends can stop the loop. Request ids are scoped to the client that sent them.
+sends can stop the loop. Request ids are scoped to the client that sent them. Replies a
+client has not read yet wait for it, in order and bounded (``_reply``).
 
 ``OutputDoor`` (output processor side): greets clients and streams their deltas. It never
 blocks on a client: one that is gone has its requests aborted silently; one that stops
