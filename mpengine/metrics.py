@@ -88,6 +88,15 @@ class ServerMetrics:
         self.queue = histogram(
             "request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS
         ).labels(m)
+        self.prefill = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS
+        ).labels(m)
+        self.decode = histogram(
+            "request_decode_time_seconds", "First token to last token.", REQUEST_BUCKETS
+        ).labels(m)
+        self.inference = histogram(
+            "request_inference_time_seconds", "First scheduled to last token.", REQUEST_BUCKETS
+        ).labels(m)
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt tokens per request.", tokens
         ).labels(m)
@@ -175,9 +184,13 @@ class RequestTracker:
                 self.open_samples.discard(sample.index)
                 m.success(sample.finish_reason)
         if delta.finished:
-            t = delta.metrics
+            t = delta.metrics  # the engine's times, for what happens inside it
             if t.scheduled_time:
                 m.queue.observe(max(0.0, t.scheduled_time - t.arrival_time))
+                m.inference.observe(max(0.0, t.finished_time - t.scheduled_time))
+                if t.first_token_time:
+                    m.prefill.observe(max(0.0, t.first_token_time - t.scheduled_time))
+                    m.decode.observe(max(0.0, t.finished_time - t.first_token_time))
             self._ended(now)
 
     def _ended(self, now: float) -> None:

@@ -1102,6 +1102,9 @@ def test_metrics_count_a_known_workload_exactly(server: Served, api: openai.Open
         "time_to_first_token_seconds",
         "e2e_request_latency_seconds",
         "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
         "request_prompt_tokens",
         "request_generation_tokens",
     ):

@@ -57,6 +57,9 @@ def test_one_request_counts_exactly() -> None:
     for name, value in (
         ("time_to_first_token_seconds", 1.0),  # the HTTP process's times, from started
         ("request_queue_time_seconds", 0.5),  # the engine's
+        ("request_prefill_time_seconds", 0.5),
+        ("request_decode_time_seconds", 2.0),
+        ("request_inference_time_seconds", 2.5),
         ("e2e_request_latency_seconds", 2.0),
         ("request_prompt_tokens", 5),
         ("request_generation_tokens", 6),
