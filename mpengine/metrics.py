@@ -64,10 +64,16 @@ class ServerMetrics:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
-
         m = model_name
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
+            return Histogram(
+                PREFIX + name, doc, labels, buckets=buckets, registry=self.registry
+            ).labels(m)
+
+        def seconds(name: str, doc: str) -> Histogram:
+            return histogram(name, doc, REQUEST_BUCKETS)
+
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of answered requests.").labels(
             m
         )
@@ -75,40 +81,30 @@ class ServerMetrics:
         self.request_success = counter(
             "request_success", "Finished samples, by finish reason.", ("finished_reason",)
         )
-        tokens = token_buckets(max_model_len)
-        self.ttft = histogram(
-            "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
-        ).labels(m)
-        self.itl = histogram(
-            "inter_token_latency_seconds", "Between a sample's successive outputs.", ITL_BUCKETS
-        ).labels(m)
-        self.e2e = histogram(
-            "e2e_request_latency_seconds", "Arrival to last token.", REQUEST_BUCKETS
-        ).labels(m)
-        self.queue = histogram(
-            "request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS
-        ).labels(m)
-        self.prefill = histogram(
-            "request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS
-        ).labels(m)
-        self.decode = histogram(
-            "request_decode_time_seconds", "First token to last token.", REQUEST_BUCKETS
-        ).labels(m)
-        self.inference = histogram(
-            "request_inference_time_seconds", "First scheduled to last token.", REQUEST_BUCKETS
-        ).labels(m)
-        self.request_prompt_tokens = histogram(
-            "request_prompt_tokens", "Prompt tokens per request.", tokens
-        ).labels(m)
         self.http_requests = Counter(  # (vLLM's name, without its prefix)
             "http_requests_total",
             "HTTP answers, by handler, method and status class.",
             ["handler", "method", "status"],
             registry=self.registry,
         )
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Between a sample's successive outputs.", ITL_BUCKETS
+        )
+        self.e2e = seconds("e2e_request_latency_seconds", "Arrival to last token.")
+        self.queue = seconds("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prefill = seconds("request_prefill_time_seconds", "First scheduled to first token.")
+        self.decode = seconds("request_decode_time_seconds", "First token to last token.")
+        self.inference = seconds("request_inference_time_seconds", "First scheduled to last token.")
+        tokens = token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", tokens
+        )
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request (all samples).", tokens
-        ).labels(m)
+        )
         self.engine = EngineCollector(model_name)
         self.registry.register(self.engine)
 
