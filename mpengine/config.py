@@ -25,46 +25,66 @@ WEEK_S = 7 * 24 * 3600.0
 ANNOUNCE_SLACK = 64 * 1024  # a NewRequest's bytes beyond its AddRequest's
 
 
+def cgroups() -> list[tuple[list[str], str]]:
+    """This process's cgroups, as ``/proc/self/cgroup`` lists them: (controllers, path)
+    pairs; cgroup v2's unified one has no controllers. Lines of another form are left out."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    parts = [line.split(":", 2) for line in lines]
+    return [(p[1].split(",") if p[1] else [], p[2]) for p in parts if len(p) == 3]
+
+
 def available_cpus() -> int:
     """The CPUs this process may run on (its affinity), fewer under a cgroup CPU quota of
     its cgroup or one above it (``cpu.max`` in cgroup v2, ``cpu.cfs_quota_us`` in v1), as
     containers limit CPUs (``docker run --cpus 1``)."""
     cpus = len(os.sched_getaffinity(0))
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return cpus
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        if controllers == "":
-            roots, files = ["/sys/fs/cgroup"], ("cpu.max",)
-        elif "cpu" in controllers.split(","):
+    for controllers, path in cgroups():
+        if not controllers:
+            roots, read = ["/sys/fs/cgroup"], _cpu_max
+        elif "cpu" in controllers:
             # (v1 mounts the controller as "cpu,cpuacct", some hosts as "cpu" alone)
-            roots = [f"/sys/fs/cgroup/{controllers}", "/sys/fs/cgroup/cpu"]
-            files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+            roots, read = [f"/sys/fs/cgroup/{','.join(controllers)}", "/sys/fs/cgroup/cpu"], _cfs
         else:
             continue
-        while True:
-            for root in roots:
-                try:
-                    values = []
-                    for name in files:
-                        with open(os.path.join(root, path.lstrip("/"), name)) as f:
-                            values += f.read().split()[:2]
-                    quota, period = int(values[0]), int(values[1])  # ("max": no quota)
-                except (OSError, ValueError, IndexError):
-                    continue
-                if quota > 0 and period > 0:
-                    cpus = min(cpus, max(1, -(-quota // period)))
-                break
-            if path in ("/", ""):
-                break
-            path = os.path.dirname(path)
+        for group in _ancestors(path):
+            dirs = (os.path.join(root, group.lstrip("/")) for root in roots)
+            quota, period = next((q for d in dirs if (q := read(d)) is not None), (0, 0))
+            if quota > 0 and period > 0:  # (no quota: "max", or -1 in v1)
+                cpus = min(cpus, max(1, -(-quota // period)))
     return cpus
+
+
+def _ancestors(path: str) -> list[str]:
+    """``path`` and every cgroup above it, up to the root."""
+    groups = [path]
+    while groups[-1] not in ("/", ""):
+        groups.append(os.path.dirname(groups[-1]))
+    return groups
+
+
+def _cpu_max(directory: str) -> tuple[int, int] | None:
+    """cgroup v2's ``cpu.max`` (quota -1 for "max"), or None when unreadable."""
+    try:
+        with open(os.path.join(directory, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+        return (-1 if quota == "max" else int(quota)), int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _cfs(directory: str) -> tuple[int, int] | None:
+    """cgroup v1's quota and period, or None when unreadable."""
+    try:
+        with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
+            return quota, int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpengine.config import EngineConfig, GiB, MiB
+from mpengine.config import EngineConfig, GiB, MiB, cgroups
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,7 @@ def available_memory() -> int | None:
             line = next(line for line in f if line.startswith("MemAvailable:"))
         available = int(line.split()[1]) * 1024
     with contextlib.suppress(OSError, ValueError, StopIteration):
-        with open("/proc/self/cgroup") as f:
-            path = next(line[3:].strip() for line in f if line.startswith("0::"))
+        path = next(path for controllers, path in cgroups() if not controllers)
         group = f"/sys/fs/cgroup/{path.lstrip('/')}"
         with open(f"{group}/memory.max") as f:
             limit = f.read().strip()

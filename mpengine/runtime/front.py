@@ -17,6 +17,7 @@ import logging
 import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -61,6 +62,17 @@ def check_hello(hello: Hello) -> str | None:
     return None
 
 
+@dataclass(slots=True)
+class _Backlog:
+    """Replies kept for one client: their bytes, since when it has read none of them, and
+    whether it passed the byte bound."""
+
+    since: float
+    replies: deque[bytes] = field(default_factory=deque)
+    size: int = 0
+    dropping: bool = False
+
+
 class FrontDoor:
     def __init__(
         self,
@@ -79,10 +91,7 @@ class FrontDoor:
         # and each can be megabytes queued for a client that does not read.
         self._tokenizer_sent: OrderedDict[bytes, int] = OrderedDict()
         # Replies waiting for clients that read slower than they come (see _reply).
-        self._backlog: dict[bytes, deque[bytes]] = {}
-        self._backlog_bytes: dict[bytes, int] = {}
-        self._stalled_since: dict[bytes, float] = {}  # since it last read one of them
-        self._dropping: set[bytes] = set()  # clients whose replies pass the byte bound
+        self._backlog: dict[bytes, _Backlog] = {}
 
     def serve(self, timeout_s: float) -> int:
         """Handle every waiting client frame (waiting up to ``timeout_s`` for one, less
@@ -148,48 +157,43 @@ class FrontDoor:
         data = encoder.encode(msg)
         backlog = self._backlog.get(client_id)
         if backlog is None:
-            sent = self.edge.send(client_id, data)
-            if sent is not Sent.FULL:
+            if self.edge.send(client_id, data) is not Sent.FULL:
                 return  # (sent, or the client is gone)
-            backlog = self._backlog[client_id] = deque()
-            self._backlog_bytes[client_id] = 0
-            self._stalled_since[client_id] = time.monotonic()
-        if self._backlog_bytes[client_id] + len(data) > MAX_PENDING_REPLY_BYTES:
-            if client_id not in self._dropping:  # (once: a flood of them is one line)
-                self._dropping.add(client_id)
+            backlog = self._backlog[client_id] = _Backlog(since=time.monotonic())
+        if backlog.size + len(data) > MAX_PENDING_REPLY_BYTES:
+            if not backlog.dropping:  # (once: a flood of them is one line)
+                backlog.dropping = True
                 logger.warning("dropping replies for %r: it does not read them", client_id)
             return
-        backlog.append(data)
-        self._backlog_bytes[client_id] += len(data)
+        backlog.replies.append(data)
+        backlog.size += len(data)
 
     def _flush(self) -> None:
         """Send what waits for clients, as far as they read; forget what waits for a client
         that read none of it for ``BACKLOG_STALL_S`` (gone without a word, or stuck)."""
         now = time.monotonic()
-        for client_id in list(self._backlog):
-            backlog = self._backlog[client_id]
-            before = len(backlog)
-            while backlog:
-                sent = self.edge.send(client_id, backlog[0])
+        for client_id, backlog in list(self._backlog.items()):
+            replies = backlog.replies
+            before = len(replies)
+            while replies:
+                sent = self.edge.send(client_id, replies[0])
                 if sent is Sent.FULL:
                     break
-                self._backlog_bytes[client_id] -= len(backlog.popleft())
+                backlog.size -= len(replies.popleft())
                 if sent is Sent.GONE:
-                    backlog.clear()
-            if len(backlog) < before:
-                self._stalled_since[client_id] = now
-            elif now - self._stalled_since[client_id] > BACKLOG_STALL_S:
+                    replies.clear()
+            if len(replies) < before:
+                backlog.since = now
+            elif now - backlog.since > BACKLOG_STALL_S:
                 logger.warning(
                     "dropped %d replies for %r: it read none for %.0f s",
-                    len(backlog),
+                    len(replies),
                     client_id,
                     BACKLOG_STALL_S,
                 )
-                backlog.clear()
-            if not backlog:
-                del self._backlog[client_id], self._backlog_bytes[client_id]
-                del self._stalled_since[client_id]
-                self._dropping.discard(client_id)
+                replies.clear()
+            if not replies:
+                del self._backlog[client_id]
 
     def _tokenizer(self) -> bytes:
         """The engine's ``tokenizer.json`` (empty when it has none to share)."""

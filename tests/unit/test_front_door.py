@@ -59,11 +59,11 @@ def test_a_client_that_never_reads_is_bounded_and_forgotten(
     monkeypatch.setattr(front, "MAX_PENDING_REPLY_BYTES", 200)
     with caplog.at_level("WARNING", logger="mpengine.runtime.front"):
         refuse(door, 50)
-    kept = len(door._backlog[b"c"])
-    assert 0 < kept < 50 and door._backlog_bytes[b"c"] <= 200
+    kept = len(door._backlog[b"c"].replies)
+    assert 0 < kept < 50 and door._backlog[b"c"].size <= 200
     assert caplog.text.count("dropping replies") == 1  # one line for the flood
     monkeypatch.setattr(front, "BACKLOG_STALL_S", -1.0)  # (read none for "long enough")
     with caplog.at_level("WARNING", logger="mpengine.runtime.front"):
         door.serve(0.0)
     assert f"dropped {kept} replies" in caplog.text
-    assert not door._backlog and not door._stalled_since and not door._dropping
+    assert not door._backlog

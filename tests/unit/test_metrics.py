@@ -35,6 +35,13 @@ def delta(
     return RequestOutput("r", [1, 2, 3], [sample], finished, metrics=timing or RequestMetrics())
 
 
+def observed_once(v: dict[tuple[str, tuple], float], *expected: tuple[str, float]) -> None:
+    """Each histogram ``name`` holds one observation, of ``value``."""
+    for name, value in expected:
+        assert v[f"mpengine:{name}_count", ()] == 1, name
+        assert v[f"mpengine:{name}_sum", ()] == pytest.approx(value), name
+
+
 def test_one_request_counts_exactly() -> None:
     metrics = ServerMetrics("m", 4096)
     tracker = RequestTracker(metrics, num_prompt_tokens=5, n=2, started=0.0)
@@ -54,7 +61,8 @@ def test_one_request_counts_exactly() -> None:
     # Gaps per sample: 0.5 and 0.5 for sample 0, 0.65 for sample 1.
     assert v["mpengine:inter_token_latency_seconds_count", ()] == 3
     assert v["mpengine:inter_token_latency_seconds_sum", ()] == pytest.approx(1.65)
-    for name, value in (
+    observed_once(
+        v,
         ("time_to_first_token_seconds", 1.0),  # the HTTP process's times, from started
         ("request_queue_time_seconds", 0.5),  # the engine's
         ("request_prefill_time_seconds", 0.5),
@@ -63,9 +71,7 @@ def test_one_request_counts_exactly() -> None:
         ("e2e_request_latency_seconds", 2.0),
         ("request_prompt_tokens", 5),
         ("request_generation_tokens", 6),
-    ):
-        assert v[f"mpengine:{name}_count", ()] == 1, name
-        assert v[f"mpengine:{name}_sum", ()] == pytest.approx(value), name
+    )
     assert v["mpengine:time_to_first_token_seconds_bucket", (("le", "1.0"),)] == 1
     assert v["mpengine:time_to_first_token_seconds_bucket", (("le", "0.75"),)] == 0
 
@@ -84,14 +90,13 @@ def test_an_abandoned_request_counts_its_open_samples_as_aborted() -> None:
     assert v["mpengine:request_success_total", (("finished_reason", "length"),)] == 1
     assert v["mpengine:request_success_total", (("finished_reason", "abort"),)] == 2
     assert v["mpengine:prompt_tokens_total", ()] == 3
-    for name, value in (
+    observed_once(
+        v,
         ("time_to_first_token_seconds", 0.25),
         ("e2e_request_latency_seconds", 1.0),
         ("request_prompt_tokens", 3),
         ("request_generation_tokens", 2),
-    ):
-        assert v[f"mpengine:{name}_count", ()] == 1, name
-        assert v[f"mpengine:{name}_sum", ()] == pytest.approx(value), name
+    )
     assert v["mpengine:request_prompt_tokens_sum", ()] == v["mpengine:prompt_tokens_total", ()]
     unanswered = RequestTracker(metrics, num_prompt_tokens=7, n=1, started=0.0)
     unanswered.on_abandoned(now=1.0)  # no output: no prompt tokens counted, no histogram
@@ -154,10 +159,9 @@ def test_a_ranked_request_is_one_request_of_every_sample_s_tokens() -> None:
     assert v["mpengine:generation_tokens_total", ()] == 9
     assert v["mpengine:request_success_total", (("finished_reason", "length"),)] == 2
     assert v["mpengine:inter_token_latency_seconds_count", ()] == 0
-    for name, value in (
+    observed_once(
+        v,
         ("time_to_first_token_seconds", 1.0),
         ("e2e_request_latency_seconds", 1.0),
         ("request_generation_tokens", 9),
-    ):
-        assert v[f"mpengine:{name}_count", ()] == 1, name
-        assert v[f"mpengine:{name}_sum", ()] == pytest.approx(value), name
+    )
