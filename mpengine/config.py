@@ -227,7 +227,7 @@ HELP = {
     "runtime directory), or tcp://HOST:PORT (requests on PORT, outputs on PORT+1)",
     "max_request_bytes": "largest request frame a client may send",
     "ring_bytes": "capacity of each shared-memory ring (at least max_request_bytes + 64 KiB; "
-    "plans and results are bounded to fit, see docs/architecture.md)",
+    "plans and results are bounded to fit, see docs/internals.md)",
     "prefix_caching": "reuse the KV cache of prompts that share a prefix (automatic prefix "
     "caching by block hash; --no-prefix-caching turns it off)",
     "preemption_mode": "what a sequence preempted for lack of KV blocks loses: recompute "
