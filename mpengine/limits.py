@@ -17,7 +17,8 @@ without a bound. The bounds, per ring:
 - **result** (executor -> output): a fixed part for the sampled tokens with top logprobs,
   and prompt logprobs of at most ``max_prompt_logprob_tokens`` positions per step, which
   the scheduler enforces by shortening such prefill chunks.
-- **feedback** (output -> scheduler): bounded by the number of slots.
+- **feedback** (output -> scheduler): bounded by the number of slots, and at most
+  ``GONE_CLIENTS_PER_FEEDBACK`` ids of clients found gone.
 
 Sizes are msgpack upper bounds (ints at most 9 bytes, array headers at most 5, etc.).
 """
@@ -27,7 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpengine.config import EngineConfig
-from mpengine.protocol import MAX_BEAM_CANDIDATES, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from mpengine.protocol import (
+    GONE_CLIENTS_PER_FEEDBACK,
+    MAX_BEAM_CANDIDATES,
+    MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 RING_HEADER = 8
 ABORT_CHUNK_BYTES = 64 * 1024
@@ -40,6 +46,7 @@ _FRAME = 512  # tags, array headers, dtype names, step numbers
 _PARAMS = 512 + 9 * MAX_STOP_TOKEN_IDS  # RequestParams without the prompt
 _RESULT_ROW = 8 + 4 + 4 + 4  # seq id, token, logprob, row index; then 8 bytes per top-N
 _PROMPT_LOGPROB_ROW = 8 + 8 * MAX_LOGPROBS
+_GONE_CLIENTS = (2 + 255) * GONE_CLIENTS_PER_FEEDBACK  # ids of clients found gone
 
 
 class ConfigError(ValueError):
@@ -111,7 +118,7 @@ class FrameLimits:
         spare = prompt_room - max_prompt_tokens * _PROMPT_LOGPROB_ROW
         max_beam = min(MAX_BEAM_CANDIDATES, MAX_LOGPROBS + spare // (8 * seqs))
         result_fixed = result_bytes(max_beam)
-        feedback = _FRAME + (8 + 4 + 9 + 6) * config.num_slots
+        feedback = _FRAME + (8 + 4 + 9 + 6) * config.num_slots + _GONE_CLIENTS
         if feedback > capacity:
             raise ConfigError(
                 f"ring_bytes ({config.ring_bytes}) is too small for the feedback of "

@@ -52,11 +52,12 @@ MAX_STOP_TOTAL_CHARS = 16384  # the stop matcher's set-up is linear in this (~2 
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_LOGPROBS = 20
+PROMPT_TAIL_TOKENS = 5  # prompt tokens an output's detokenizer starts from (vLLM's offset)
 # Continuations of one beam returned per beam step: (1 + the tokens that end a beam, at
 # least 2) x the width, as transformers weighs them (so that ``width`` remain once those
 # ending the beam are set aside).
-PROMPT_TAIL_TOKENS = 5  # prompt tokens an output's detokenizer starts from (vLLM's offset)
 MAX_BEAM_CANDIDATES = 64
+GONE_CLIENTS_PER_FEEDBACK = 64  # client ids (ZMQ routing ids: at most 255 bytes each)
 MAX_N = 64
 INT32_MAX = 2**31 - 1
 # The executor divides float32 logits by the temperature and the repetition penalty: past
@@ -779,6 +780,9 @@ class Feedback(msgspec.Struct, **_WIRE):
     beam_seq_ids: Array = EMPTY_IDS  # int64
     beam_parents: Array = EMPTY_IDS  # int64
     beam_tokens: Array = EMPTY_IDS  # int32
+    # Clients found gone since the last feedback (at most GONE_CLIENTS_PER_FEEDBACK): the
+    # scheduler drops the requests it still holds for them, queued ones included.
+    gone_clients: list[str] = []
     # The executor's and the output processor's running totals, as of this step.
     times: dict[str, StageTimes] = {}
 

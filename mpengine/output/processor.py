@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from struct import Struct
 
@@ -41,6 +42,7 @@ from mpengine.output.logprobs import concat_logprobs, join_logprobs, logprob_row
 from mpengine.output.stop import StopStrings, TextState
 from mpengine.protocol import (
     EMPTY_IDS,
+    GONE_CLIENTS_PER_FEEDBACK,
     AbortRequests,
     Array,
     Feedback,
@@ -54,6 +56,7 @@ from mpengine.protocol import (
 log = logging.getLogger(__name__)
 _pack_i32 = Struct("<i").pack
 Output = tuple[str, OutputDelta]  # (client id, delta)
+GONE_CLIENTS_KEPT = 4096
 
 
 @dataclass(slots=True)
@@ -110,6 +113,10 @@ class OutputProcessor:
         self._by_client: dict[str, set[tuple[str, str]]] = {}
         self._seqs: dict[int, _Sequence] = {}  # open sequences only
         self._dropped: list[int] = []  # seq ids of dropped clients, for the next feedback
+        # Clients found gone (the latest GONE_CLIENTS_KEPT: a gone client never returns
+        # under its id), and those the scheduler has not been told of yet.
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        self._gone_news: list[str] = []
         self._id_arrays: dict[int, Array] = {}  # token id -> its one-element Array
 
     @property
@@ -128,6 +135,8 @@ class OutputProcessor:
         match msg:
             case NewRequest():
                 self._register(msg)
+                if msg.client_id in self._gone:  # queued before the scheduler heard of it
+                    self.abort_client(msg.client_id, "the client disconnected")
                 return []
             case AbortRequests(client_id=client_id, request_ids=request_ids):
                 now = time.time()
@@ -155,9 +164,17 @@ class OutputProcessor:
                 self._dropped.append(seq.seq_id)
         return outputs
 
-    def drop_client(self, client_id: str) -> None:
-        """The client is gone: abort its requests silently."""
+    def drop_client(self, client_id: str) -> bool:
+        """The client is gone: abort its requests silently, and have the next feedback tell
+        the scheduler to drop those it still queues. Returns whether this is news."""
         self.abort_client(client_id, "the client disconnected")
+        if client_id in self._gone:
+            return False
+        self._gone[client_id] = None
+        if len(self._gone) > GONE_CLIENTS_KEPT:
+            self._gone.popitem(last=False)
+        self._gone_news.append(client_id)
+        return True
 
     # -- the step ------------------------------------------------------------------------
 
@@ -263,6 +280,9 @@ class OutputProcessor:
             finished_seq_ids=finished_ids,
             finish_reasons=reasons,
         )
+        if self._gone_news:
+            feedback.gone_clients = self._gone_news[:GONE_CLIENTS_PER_FEEDBACK]
+            del self._gone_news[:GONE_CLIENTS_PER_FEEDBACK]
         if beam_seq_ids:
             feedback.beam_seq_ids = Array.of(beam_seq_ids, "int64")
             feedback.beam_parents = Array.of(beam_parents, "int64")

@@ -6,9 +6,10 @@ sends can stop the loop. Request ids are scoped to the client that sent them. Re
 client has not read yet wait for it, in order and bounded (``_reply``).
 
 ``OutputDoor`` (output processor side): greets clients and streams their deltas. It never
-blocks on a client: one that is gone has its requests aborted silently; one that stops
-reading until its queue reaches ``client_send_hwm`` has its requests aborted too, and the
-final deltas (with what it had not received) wait in a small backlog until it reads again.
+blocks on a client: one that is gone has its requests aborted silently (those still queued
+in the scheduler too, which the next feedback tells); one that stops reading until its
+queue reaches ``client_send_hwm`` has its requests aborted too, and the final deltas (with
+what it had not received) wait in a small backlog until it reads again.
 """
 
 from __future__ import annotations
@@ -236,8 +237,8 @@ class OutputDoor:
             self._flush_backlog(batches)
         for client_id, sent in self.edge.send_outputs(batches).items():
             if sent is Sent.GONE:
-                logger.info("client %s is gone: aborting its requests", client_id)
-                self.processor.drop_client(client_id)
+                if self.processor.drop_client(client_id):
+                    logger.info("client %s is gone: aborting its requests", client_id)
                 continue
             logger.warning(
                 "client %s does not read its outputs (%d messages queued): aborting its requests",

@@ -4,24 +4,37 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 
 from mpengine.client import Client
 from mpengine.protocol import EngineStats
+
+
+def wait_until(
+    client: Client, done: Callable[[EngineStats], bool], timeout: float = 10.0, what: str = ""
+) -> EngineStats:
+    """Poll the engine's stats until ``done(stats)``; return them. Raises TimeoutError
+    (naming ``what`` and the last stats) if that takes more than ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats()
+        if done(stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine not {what or 'there'} after {timeout} s: {stats}")
+        time.sleep(0.01)
 
 
 def wait_idle(client: Client, timeout: float = 10.0) -> EngineStats:
     """Poll the scheduler's stats until it has no request and no step in flight; return them.
     (Blocks of a finished request are freed once its last planned step is processed.)
     Raises TimeoutError if the engine is still busy after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = client.stats()
+
+    def idle(stats: EngineStats) -> bool:
         busy = stats.num_running + stats.num_waiting + stats.num_preempted
-        if busy == 0 and stats.done == stats.step:
-            return stats
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"engine not idle after {timeout} s: {stats}")
-        time.sleep(0.01)
+        return busy == 0 and stats.done == stats.step
+
+    return wait_until(client, idle, timeout, "idle")
 
 
 def free_port_pair(host: str = "127.0.0.1") -> int:

@@ -15,7 +15,7 @@ import zmq
 
 import mpengine
 from mpengine.protocol import AddRequest, Array, SamplingParams, encoder
-from mpengine.testing.engine import wait_idle
+from mpengine.testing.engine import wait_idle, wait_until
 
 PROMPT = "The old lighthouse keeper looked at the sea and said"
 
@@ -150,6 +150,38 @@ def test_client_disconnect_frees_every_block(engine, client):
         proc.wait(10)
     stats = wait_idle(client, timeout=20)
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_dead_client_queue_is_dropped(engine, client):
+    """A client process killed with requests still queued: they are dropped unrun, not
+    computed one by one until each is found undeliverable."""
+    script = (
+        "import threading, mpengine\n"
+        f"c = mpengine.Client({engine.address!r})\n"
+        "p = mpengine.SamplingParams(max_tokens=1000, ignore_eos=True)\n"
+        "s = c.stream([7] * 3000, p)\n"  # holds most of the 256 blocks
+        "next(s)\n"
+        "for i in range(6):\n"
+        "    prompt = [100 + i] * 1500\n"  # does not fit beside the first: waits
+        "    threading.Thread(target=c.generate, args=(prompt, p), daemon=True).start()\n"
+        "print('queued', flush=True)\n"
+        "for _ in s: pass\n"
+    )
+    before = client.stats()
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready and proc.stdout.readline().strip() == b"queued"
+        stats = wait_until(client, lambda s: s.num_waiting == 6, timeout=30)
+        assert stats.num_running == 1
+    finally:
+        proc.kill()
+        proc.wait(10)
+    after = wait_idle(client, timeout=30)
+    assert after.num_free_blocks == after.num_blocks
+    assert after.aborted - before.aborted == 7
+    # Only the running request's last decodes: none of the queued prompts was computed.
+    assert after.computed_tokens - stats.computed_tokens < 1500
 
 
 def test_async_client(engine):

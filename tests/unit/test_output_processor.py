@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from mpengine.output import OutputProcessor
 from mpengine.protocol import (
+    GONE_CLIENTS_PER_FEEDBACK,
     AbortRequests,
     Array,
     Feedback,
@@ -255,6 +256,33 @@ def test_drop_client(proc: OutputProcessor) -> None:
     assert feedback.seq_ids.numpy().tolist() == [3]
     feedback, _ = proc.process(result(2, [(3, 42)]))
     assert feedback.finished_seq_ids == []  # reported once
+
+
+def test_gone_client_is_reported_once_and_its_later_requests_end_at_once(
+    proc: OutputProcessor,
+) -> None:
+    """The scheduler learns of a gone client once (to drop what it still queues), and a
+    request of it announced afterwards (queued before the scheduler knew) ends silently."""
+    proc.announce(new("a", [1], client="gone"))
+    assert proc.drop_client("gone") and not proc.drop_client("gone")
+    feedback, out = proc.process(result(0, [(1, 40)]))
+    assert out == [] and feedback.gone_clients == ["gone"] and feedback.finished_seq_ids == [1]
+    proc.announce(new("late", [2], client="gone"))
+    proc.announce(new("b", [3], client="stays"))
+    feedback, out = proc.process(result(1, [(2, 40), (3, 41)]))
+    assert [client for client, _ in out] == ["stays"]
+    assert feedback.gone_clients == [] and feedback.finished_seq_ids == [2]
+    assert proc.num_unfinished == 1
+
+
+def test_gone_clients_are_reported_in_bounded_feedback(proc: OutputProcessor) -> None:
+    clients = [f"c{i}" for i in range(GONE_CLIENTS_PER_FEEDBACK + 3)]
+    for client in clients:
+        proc.drop_client(client)
+    first, _ = proc.process(result(0, []))
+    second, _ = proc.process(result(1, []))
+    assert first.gone_clients + second.gone_clients == clients
+    assert len(first.gone_clients) == GONE_CLIENTS_PER_FEEDBACK
 
 
 def test_failed_step(proc: OutputProcessor) -> None:

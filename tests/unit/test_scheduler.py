@@ -243,6 +243,27 @@ def test_requests_the_output_stage_aborts_count_as_aborted():
     assert ("client", "two") not in sched.requests and ("client", "one") in sched.requests
 
 
+def test_gone_client_has_its_queued_requests_dropped_unannounced():
+    """The output stage found a client gone: its requests still queued here end without
+    being admitted or announced (the output stage ends those it knows of itself)."""
+    sched = make_scheduler(num_blocks=8, block_size=4, budget=20)
+    add(sched, "runs", list(range(10, 30)), max_tokens=8)  # the whole budget
+    add(sched, "waits", list(range(40, 60)), max_tokens=8)
+    sched.add_request(AddRequest("other", Array.of([70, 71]), SamplingParams()), "stays")
+    plan = sched.schedule()
+    assert plan is not None and plan.seq_ids.numpy().tolist() == [0]
+    assert [a.request_id for a in sched.take_announcements()] == ["runs"]
+    running = [s.seq_id for s in sched.requests["client", "runs"].seqs]
+    feedback = Feedback(
+        plan.step, Array.of([], "int64"), Array.of([]), running, ["abort"], gone_clients=["client"]
+    )
+    sched.schedule([feedback])
+    assert sched.counters["aborted"] == 2
+    assert set(sched.requests) == {("stays", "other")}
+    assert [a.request_id for a in sched.take_announcements()] == ["other"]  # admitted
+    assert sched.stats()["num_waiting"] == 0
+
+
 def test_abort_of_waiting_request_is_announced_then_aborted():
     sched = make_scheduler()
     add(sched, "w", [10, 11])
