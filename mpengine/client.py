@@ -1172,14 +1172,16 @@ class _Window:
     """The requests of one batch call in flight at once. The engine refuses a request
     (``overloaded``) once ``max_waiting_requests`` requests or ``max_waiting_tokens``
     prompt tokens wait for admission; a batch keeps at most half of each in flight (other
-    clients share the queue) and submits the rest as earlier ones finish, marked
-    ``continues`` (a draining engine lets the call finish, and the engine refuses them only
-    past twice its bounds)."""
+    clients share the queue), and no more requests than four steps of ``max_num_seqs``
+    take (enough to keep every step full, and several big batch calls fit the queue at
+    once). It submits the rest as earlier ones finish, marked ``continues`` (a draining
+    engine lets the call finish, and the engine refuses them only past twice its bounds)."""
 
     def __init__(self, info: EngineInfo) -> None:
         self.max_requests = self.max_tokens = 1 << 62  # an engine that does not say
         if info.max_waiting_requests:
-            self.max_requests = max(1, info.max_waiting_requests // 2)
+            half = info.max_waiting_requests // 2
+            self.max_requests = max(1, min(half, 4 * info.max_num_seqs))
             self.max_tokens = max(1, info.max_waiting_tokens // 2)
         self.sizes: deque[int] = deque()  # prompt tokens of each request in flight, in order
         self.tokens = 0

@@ -342,6 +342,28 @@ def test_batches_larger_than_the_queue_are_fed_as_it_drains(start_engine):
         assert_idle(c)
 
 
+def test_concurrent_batch_calls_share_the_queue(start_engine):
+    """Each batch call keeps at most four steps of ``max_num_seqs`` in flight (here 8 of a
+    64-request queue), so three calls of 40 prompts at once fit: with half the queue each,
+    the third was refused as ``overloaded``."""
+    small = start_engine(model="tiny", max_num_seqs=2, max_waiting_requests=64)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[list]:
+        async with mpengine.AsyncClient(small.address) as client:
+            calls = [
+                client.generate_many([[3 + i, 5 + c, 7] for i in range(40)], params, timeout=120)
+                for c in range(3)
+            ]
+            return await asyncio.gather(*calls)
+
+    results = asyncio.run(run())
+    assert [len(outs) for outs in results] == [40, 40, 40]
+    with small.client() as c:
+        assert c.stats().rejected == 0
+        assert_idle(c)
+
+
 def test_a_batch_call_under_way_is_not_refused_by_others_filling_the_queue(start_engine):
     """Single requests of another client keep the queue (4 requests) full while a batch
     call feeds its windows (2 requests): the batch's later requests go in past the bound
