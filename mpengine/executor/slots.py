@@ -110,7 +110,7 @@ class SlotState:
         )
         self.has_penalties[s] = p.has_penalties
         self.seeded[s] = p.seed is not None
-        self.seed[s] = 0 if p.seed is None else (p.seed & 0x7FFF_FFFF_FFFF_FFFF)
+        self.seed[s] = 0 if p.seed is None else p.seed  # negative ones wrap in draw_seed
         self.min_tokens[s] = p.min_tokens
         if request.beam_candidates:
             self.logprobs[s] = request.beam_candidates

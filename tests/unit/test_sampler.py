@@ -221,6 +221,17 @@ def test_slots_carry_each_sequences_logit_bias() -> None:
     assert not len(state.sampling_rows(np.array([1]), np.array([3])).bias_rows)
 
 
+def test_every_accepted_seed_is_its_own_stream() -> None:
+    """Seeds 2**63 apart (-1 and 2**63 - 1, -2**63 and 0) draw differently: the sign bit
+    counts, as in ``torch.Generator.manual_seed``."""
+    state = SlotState(4, 4, 64, VOCAB, eos_token_ids=[2])
+    seeds = [-1, 2**63 - 1, -(2**63), 0]
+    for slot, seed in enumerate(seeds):
+        state.start(*start_seq(slot, slot, 3, SamplingParams(seed=seed)))
+    draws = state.sampling_rows(np.arange(4), np.full(4, 3)).draw_seeds.tolist()
+    assert len(set(draws)) == 4
+
+
 def test_logit_bias_is_checked() -> None:
     for bad, message in [
         ({5: 101.0}, "100"),
