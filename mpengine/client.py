@@ -149,8 +149,9 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}
     error: str | None = None
-    # When samples are ranked: the sum of the sample's token logprobs (best_of > n), or
-    # for beam search the beam's score (that sum divided by length ** length_penalty).
+    # The sum of the sample's token logprobs, when logprobs were asked for or samples are
+    # ranked (best_of > n); for beam search the beam's score (that sum divided by
+    # length ** length_penalty). In a stream, the sum so far.
     cumulative_logprob: float | None = None
 
 
@@ -268,8 +269,15 @@ class _Assembly:
             ranks = delta.prompt_logprobs.ranks
             if ranks.shape and ranks.shape[0] == len(delta.prompt_logprobs.token_ids):
                 self.output.prompt_logprob_ranks = [None, *ranks.numpy().tolist()]
-        out.cumulative_logprob = new.cumulative_logprob = delta.cumulative_logprob
         ranked = delta.cumulative_logprob is not None  # index 0 counts every sample's tokens
+        if ranked:
+            out.cumulative_logprob = delta.cumulative_logprob
+        elif delta.logprobs is not None:  # as vLLM: the sum of the sampled tokens' logprobs
+            total = out.cumulative_logprob or 0.0
+            for value in delta.logprobs.logprobs.numpy().tolist():
+                total += value
+            out.cumulative_logprob = total
+        new.cumulative_logprob = out.cumulative_logprob
         self.output.num_generated_tokens += (
             delta.num_generated_tokens if ranked else len(new.token_ids)
         )

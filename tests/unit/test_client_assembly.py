@@ -1,4 +1,4 @@
-"""How the client assembles an embedding request's final delta."""
+"""How the client assembles a request's deltas."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ import pytest
 
 from mpengine.client import _Assembly, token_array
 from mpengine.errors import InvalidRequestError, RequestFailedError
-from mpengine.protocol import EMPTY_IDS, AddRequest, Array, OutputDelta, PoolingParams
+from mpengine.protocol import (
+    EMPTY_IDS,
+    AddRequest,
+    Array,
+    Logprobs,
+    OutputDelta,
+    PoolingParams,
+    SamplingParams,
+)
 
 
 def request(ids: list[int]) -> AddRequest:
@@ -24,6 +32,28 @@ def test_the_embedding_and_the_tokens_the_engine_pooled():
     assert out.prompt_token_ids == [5, 6, 7] and out.num_prompt_tokens == 3
     np.testing.assert_array_equal(out.embedding, np.array([0.6, 0.8], np.float32))
     out.embedding[0] = 0.0  # a copy the caller owns, not a view of the frame
+
+
+def logprobs(ids: list[int], values: list[float]) -> Logprobs:
+    none = Array.of(np.zeros((len(ids), 0)), "float32")
+    return Logprobs(Array.of(ids), Array.of(values, "float32"), none, none)
+
+
+def test_cumulative_logprob_is_the_running_sum_when_logprobs_are_asked_for():
+    """As vLLM: with logprobs, each sample's cumulative logprob is the sum of its sampled
+    tokens' logprobs (so far, in a stream); without them, None."""
+    asked = _Assembly(AddRequest("r", Array.of([1]), SamplingParams(max_tokens=3, logprobs=0)))
+    first = asked.add(
+        OutputDelta("r", 0, Array.of([5, 6]), "ab", logprobs=logprobs([5, 6], [-0.5, -1.25]))
+    )
+    assert first.outputs[0].cumulative_logprob == -1.75
+    last = asked.add(
+        OutputDelta("r", 0, Array.of([7]), "c", "length", logprobs=logprobs([7], [-0.25]))
+    )
+    assert last.finished and last.outputs[0].cumulative_logprob == -2.0
+    plain = _Assembly(AddRequest("r", Array.of([1]), SamplingParams(max_tokens=1)))
+    out = plain.add(OutputDelta("r", 0, Array.of([5]), "a", "length"))
+    assert out.outputs[0].cumulative_logprob is None
 
 
 def test_a_request_that_ends_without_its_embedding_raises():
