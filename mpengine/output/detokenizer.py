@@ -32,7 +32,9 @@ change under context ("Invalid prefix encountered"), so we keep the state oursel
 from __future__ import annotations
 
 import codecs
+import functools
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -170,6 +172,7 @@ class WindowStream:
         return new_text
 
 
+@functools.cache
 def _byte_decoder() -> dict[str, int]:
     """The inverse of the byte-level alphabet: display character -> byte value."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -185,6 +188,26 @@ def _byte_decoder() -> dict[str, int]:
     if set(mapping) != set(alphabet):
         raise RuntimeError("unexpected byte-level alphabet in the tokenizers library")
     return mapping
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes | None:
+    """The bytes one token stands for when they are not whole characters: a byte-level
+    BPE token mapped back through its alphabet, or a SentencePiece byte-fallback token
+    (``<0xE4>``); None for any other token (its decoded text says it all)."""
+    token = tokenizer.id_to_token(token_id)
+    if token is None:
+        return None
+    match = _BYTE_FALLBACK.fullmatch(token)
+    if match:
+        return bytes([int(match.group(1), 16)])
+    if isinstance(tokenizer.decoder, decoders.ByteLevel):
+        byte_of = _byte_decoder()
+        if all(c in byte_of for c in token):
+            return bytes(byte_of[c] for c in token)
+    return None
 
 
 class Detokenizer:

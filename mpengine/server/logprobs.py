@@ -3,7 +3,9 @@
 The engine gives, per token, ``{token id: logprob}`` holding the top N and the chosen
 token. Completions list the tokens' texts, their logprobs, each position's alternatives
 (all the engine returned) and each token's offset in the text; chat lists, per token, its
-text, logprob and UTF-8 bytes, with exactly the N most likely alternatives. With vLLM's
+text, logprob and UTF-8 bytes (a token that is part of a character reads as U+FFFD, as in
+OpenAI's and vLLM's outputs, and its bytes are its own), with exactly the N most likely
+alternatives. With vLLM's
 ``return_tokens_as_token_ids``, tokens are named ``token_id:ID`` (bytes and offsets stay
 those of their text).
 """
@@ -96,10 +98,10 @@ def chat_logprobs(
         top = [_top(text, t, v, as_ids) for t, v in best]
         token = text.token_text(token_id)
         name = _id_name(token_id) if as_ids else token
-        content.append(TokenLogprob(name, row[token_id], list(token.encode()), top))
+        content.append(TokenLogprob(name, row[token_id], list(text.token_bytes(token_id)), top))
     return ChatLogprobs(content)
 
 
 def _top(text: TextTools, token_id: int, value: float, as_ids: bool) -> TopLogprob:
-    token = text.token_text(token_id)
-    return TopLogprob(_id_name(token_id) if as_ids else token, value, list(token.encode()))
+    name = _id_name(token_id) if as_ids else text.token_text(token_id)
+    return TopLogprob(name, value, list(text.token_bytes(token_id)))

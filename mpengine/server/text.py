@@ -33,6 +33,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from mpengine.client import as_transformers_encodes, encode_texts, off_the_loop
+from mpengine.output.detokenizer import REPLACEMENT, token_bytes
 from mpengine.server.errors import bad_request
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,18 @@ class TextTools:
         """How one token reads on its own (logprobs): a token that is part of a character
         reads as U+FFFD, as in OpenAI's and vLLM's outputs."""
         return self._require_tokenizer().decode([token_id], skip_special_tokens=False)
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 (one instance per server)
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for (chat logprobs' ``bytes``, from which a
+        client rebuilds characters split across tokens): those of its text, or for a part
+        of a character, which reads as U+FFFD, the part's own bytes."""
+        text = self.token_text(token_id)
+        if REPLACEMENT in text:
+            raw = token_bytes(self._require_tokenizer(), token_id)
+            if raw is not None:
+                return raw
+        return text.encode()
 
     # -- chat --------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from mpengine.server.chat import tokenize_chat
 from mpengine.server.completions import _prompts
 from mpengine.server.errors import APIError, field_of, from_engine
 from mpengine.server.health import EngineMonitor
+from mpengine.server.logprobs import chat_logprobs
 from mpengine.server.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -37,6 +38,7 @@ from mpengine.server.text import (
     message_dicts,
 )
 from mpengine.testing.tiny import resolve_model
+from mpengine.testing.tiny_tokenizer import sentencepiece_tokenizer
 
 
 @pytest.mark.parametrize(
@@ -116,6 +118,24 @@ def test_lone_surrogates_in_chat_messages_are_refused() -> None:
             ChatCompletionRequest.model_validate({"messages": [message]})
     ok = {"role": "user", "content": "h\u00e9llo \U0001f600"}  # a surrogate pair is text
     assert ChatCompletionRequest.model_validate({"messages": [ok]}).messages[0].content
+
+
+def test_chat_logprob_bytes_rebuild_characters_split_across_tokens(tmp_path: Path) -> None:
+    """A token that is part of a character reads as U+FFFD (as in OpenAI's and vLLM's
+    outputs); its ``bytes`` are its own, so the bytes of a reply's tokens join into its
+    text (byte-level BPE), and a byte-fallback token is its byte (SentencePiece)."""
+    text = TextTools(resolve_model("tiny"))
+    reply = "naïve 你好 🎉 Ω≈ç"
+    ids = text.tokenizer.encode(reply, add_special_tokens=False).ids
+    content = chat_logprobs(text, ids, [{t: -1.0} for t in ids], 0).content
+    assert any(entry.token == "\ufffd" for entry in content)  # split characters here
+    assert b"".join(bytes(entry.bytes) for entry in content).decode() == reply
+    sentencepiece_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    pieces = TextTools(str(tmp_path))
+    ids = pieces.tokenizer.encode("你好", add_special_tokens=False).ids
+    split = [t for t in ids if pieces.token_text(t)]  # (not the leading "▁")
+    assert [pieces.token_text(t) for t in split] == ["\ufffd"] * 6
+    assert b"".join(pieces.token_bytes(t) for t in split) == "你好".encode()
 
 
 def test_request_maps_onto_sampling_params() -> None:
