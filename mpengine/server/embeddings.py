@@ -5,7 +5,8 @@
 engine request, all submitted at once so that they batch, and ``data[i]`` is input ``i``'s
 embedding: a list of floats, or with ``encoding_format: "base64"`` the base64 of its
 little-endian float32 bytes (what the ``openai`` package asks for by default). Text is
-tokenized by the client library, which truncates it as ``truncate_prompt_tokens`` says.
+tokenized by the client library, which truncates it as ``truncate_prompt_tokens`` says
+(with vLLM's ``add_special_tokens: false``, here, without the tokenizer's special tokens).
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ async def create_embedding(
         params = body.pooling_params()
     except (msgspec.ValidationError, ValueError) as exc:
         raise bad_request(str(exc), _param_of(str(exc))) from None
+    if not body.add_special_tokens:  # tokenized here (the client library adds them)
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+        encoded = iter(await state.text.encode(texts, add_special_tokens=False))
+        prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
     request_id = f"embd-{uuid.uuid4().hex}"
     work = _embed(state, prompts, params, request_id, body.priority)
     outputs = await until_disconnected(request, work)

@@ -341,6 +341,7 @@ class EmbeddingRequest(RequestModel):
     normalize: bool | None = None
     pooling: str | None = None
     priority: int = 0
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's [CLS], [SEP]... on text inputs
 
     def pooling_params(self) -> PoolingParams:
         """The engine's parameters; raises ``msgspec.ValidationError`` naming the field or

@@ -155,6 +155,22 @@ def test_token_ids_equal_text(api: openai.OpenAI, reference: Reference) -> None:
     assert np.allclose(single[0], by_text[0], atol=1e-6)
 
 
+def test_add_special_tokens_false_embeds_the_text_alone(
+    api: openai.OpenAI, reference: Reference
+) -> None:
+    """vLLM's ``add_special_tokens``: false embeds text without [CLS] and [SEP]."""
+    bare = [reference.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS[:2]]
+    reply = api.embeddings.create(
+        model=MODEL,
+        input=TEXTS[:2],
+        encoding_format="float",
+        extra_body={"add_special_tokens": False},
+    )
+    want = vectors(api.embeddings.create(model=MODEL, input=bare, encoding_format="float"))
+    assert np.allclose(vectors(reply), want, atol=1e-6)
+    assert reply.usage.prompt_tokens == sum(map(len, bare))
+
+
 def test_dimensions_and_normalize(api: openai.OpenAI, reference: Reference) -> None:
     pooled = reference.pooled(TEXTS[:2])
     reply = api.embeddings.create(model=MODEL, input=TEXTS[:2], dimensions=16)
