@@ -20,9 +20,16 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+
+from mpengine.protocol import STEP_TOKEN_BUCKETS
 
 if TYPE_CHECKING:
     from mpengine.client import RequestOutput
@@ -56,7 +63,9 @@ def token_buckets(max_model_len: int) -> list[float]:
 class ServerMetrics:
     """Every metric the front end exposes, in a registry of its own."""
 
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self, model_name: str, max_model_len: int, cache_config: dict[str, object] | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -107,6 +116,15 @@ class ServerMetrics:
         )
         self.engine = EngineCollector(model_name)
         self.registry.register(self.engine)
+        if cache_config:  # vLLM's info gauge: the KV cache's configuration as labels, value 1
+            names = sorted(cache_config)
+            info = Gauge(
+                PREFIX + "cache_config_info",
+                "Information of the KV cache configuration.",
+                [*labels, *names],
+                registry=self.registry,
+            )
+            info.labels(m, *(_label(cache_config[name]) for name in names)).set(1)
 
     def tracker(self, num_prompt_tokens: int, n: int, ranked: bool = False) -> RequestTracker:
         return RequestTracker(self, num_prompt_tokens, n, ranked, time.monotonic())
@@ -116,6 +134,11 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _label(value: object) -> str:
+    """A configuration value as vLLM's info gauges write it (``True``, ``16``, ``None``)."""
+    return str(value)
 
 
 class RequestTracker:
@@ -256,6 +279,22 @@ class EngineCollector(Collector):
             "Prompt tokens found in the prefix cache.",
             getattr(stats, "prefix_cache_hits", 0),
         )
+        if stats.step_tokens:
+            counts, cumulative = [], 0
+            for bound, count in zip(
+                [*(str(float(b)) for b in STEP_TOKEN_BUCKETS), "+Inf"],
+                stats.step_tokens,
+                strict=True,
+            ):
+                cumulative += count
+                counts.append((bound, cumulative))
+            tokens = HistogramMetricFamily(
+                PREFIX + "iteration_tokens_total",
+                "Tokens computed per engine step.",
+                labels=["model_name"],
+            )
+            tokens.add_metric(labels, counts, float(stats.computed_tokens))
+            yield tokens
         yield from self._stage_metrics(stats)
 
     def _stage_metrics(self, stats: EngineStats) -> Iterator[Metric]:

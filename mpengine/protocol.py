@@ -564,7 +564,13 @@ class EngineStats(msgspec.Struct, **_WIRE):
     # request finishes once; ``finished`` also counts those aborted before admission.
     received: int = 0
     rejected: int = 0
+    # Steps planned, by tokens computed (vLLM's iteration_tokens_total): counts per bucket
+    # of STEP_TOKEN_BUCKETS (at most that many tokens), then those above the last.
+    step_tokens: list[int] = []
 
+
+# Buckets of the tokens computed in one step (vLLM's, for iteration_tokens_total).
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 ClientRequest = Hello | AddRequest | Abort | StatsQuery | TokenizerQuery
 SchedulerReply = EngineInfo | RequestError | EngineStats | TokenizerFile

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable
 from typing import ClassVar
@@ -49,6 +50,7 @@ from mpengine.limits import ABORT_CHUNK_BYTES, MAX_RELEASED_PER_PLAN, FrameLimit
 from mpengine.protocol import (
     MAX_BEAM_CANDIDATES,
     PROMPT_TAIL_TOKENS,
+    STEP_TOKEN_BUCKETS,
     AbortRequests,
     AddRequest,
     Announcement,
@@ -165,6 +167,7 @@ class Scheduler:
             ),
             0,
         )
+        self.step_tokens = [0] * (len(STEP_TOKEN_BUCKETS) + 1)  # steps by tokens computed
 
     @classmethod
     def for_model(cls, config: EngineConfig, model: ModelInfo) -> Scheduler:
@@ -1036,6 +1039,7 @@ class Scheduler:
         else:
             block_slots = block_indices = block_ids = Array.of([])
         self.counters["computed_tokens"] += len(token_ids)
+        self.step_tokens[bisect_left(STEP_TOKEN_BUCKETS, len(token_ids))] += 1
         logger.debug("step %d: %d seqs, %d tokens", step, num, len(token_ids))
         return StepPlan(
             step=step,
@@ -1163,9 +1167,10 @@ class Scheduler:
             del self.seqs[seq.seq_id]
         self.pending_release = keep
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | list[int]]:
         return {
             **self.counters,
+            "step_tokens": list(self.step_tokens),
             "num_waiting": sum(len(r.seqs) for r in self.waiting),
             "num_running": len(self.running),
             "num_preempted": len(self.preempted),

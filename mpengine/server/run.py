@@ -240,7 +240,16 @@ def _state(engine: Engine, args: argparse.Namespace, api_key: str | None) -> Ser
     client = engine.async_client()
     info = client.info
     names = args.served_model_name or [engine.config.model]
-    metrics = ServerMetrics(names[0], info.max_model_len)
+    config = engine.config
+    cache_config = {
+        "block_size": info.block_size,
+        "num_gpu_blocks": info.num_blocks,
+        "enable_prefix_caching": config.prefix_caching,
+        "preemption_mode": config.preemption_mode,
+        "swap_space_bytes": config.swap_space if config.preemption_mode == "swap" else 0,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+    }
+    metrics = ServerMetrics(names[0], info.max_model_len, cache_config)
     monitor = EngineMonitor(client, metrics, args.stall_timeout)
     text = TextTools(info.tokenizer, args.chat_template, args.chat_template_content_format)
     return ServerState(client, info, text, metrics, monitor, names, api_key)

@@ -1122,6 +1122,12 @@ def test_metrics_count_a_known_workload_exactly(server: Served, api: openai.Open
     assert after["mpengine:steps_total", ()] == stats.done
     stages = {dict(k[1])["stage"] for k in after if k[0] == "mpengine:stage_busy_seconds_total"}
     assert stages == {"scheduler", "executor", "output"}
+    assert after["mpengine:iteration_tokens_total_count", ()] == stats.step
+    assert after["mpengine:iteration_tokens_total_sum", ()] == stats.computed_tokens
+    (info,) = [dict(k[1]) for k in after if k[0] == "mpengine:cache_config_info"]
+    assert info["block_size"] == str(ipc.info.block_size)
+    assert info["num_gpu_blocks"] == str(ipc.info.num_blocks)
+    assert info["enable_prefix_caching"] == "True"
 
 
 def test_engine_file_names_the_http_address(server: Served) -> None:

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mpengine.client import CompletionOutput, RequestMetrics, RequestOutput
 from mpengine.metrics import RequestTracker, ServerMetrics, token_buckets
-from mpengine.protocol import EngineStats, StageTimes
+from mpengine.protocol import STEP_TOKEN_BUCKETS, EngineStats, StageTimes
 
 
 def values(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
@@ -136,6 +136,26 @@ def test_engine_numbers_are_the_engines_own() -> None:
     fields.update(preemptions=9)
     metrics.engine.update(EngineStats(**fields))
     assert values(metrics)["mpengine:num_preemptions_total", ()] == 9  # set, never summed
+
+
+def test_iteration_tokens_and_cache_config() -> None:
+    """vLLM's ``iteration_tokens_total`` (steps by tokens computed, from the engine's
+    per-bucket counts) and ``cache_config_info`` (the configuration as labels, value 1)."""
+    metrics = ServerMetrics("m", 4096, {"block_size": 16, "enable_prefix_caching": True})
+    fields = dict.fromkeys(EngineStats.__struct_fields__, 0)
+    counts = [0] * (len(STEP_TOKEN_BUCKETS) + 1)
+    counts[0], counts[3], counts[-1] = 5, 2, 1  # 5 steps of 1 token, 2 of 17-32, 1 of 20,000
+    fields.update(stages={}, step_tokens=counts, computed_tokens=5 + 2 * 30 + 20_000)
+    metrics.engine.update(EngineStats(**fields))
+    v = values(metrics)
+    bucket = "mpengine:iteration_tokens_total_bucket"
+    assert v[bucket, (("le", "1.0"),)] == 5 and v[bucket, (("le", "16.0"),)] == 5
+    assert v[bucket, (("le", "32.0"),)] == 7 and v[bucket, (("le", "16384.0"),)] == 7
+    assert v[bucket, (("le", "+Inf"),)] == 8
+    assert v["mpengine:iteration_tokens_total_count", ()] == 8
+    assert v["mpengine:iteration_tokens_total_sum", ()] == 20_065
+    info = (("block_size", "16"), ("enable_prefix_caching", "True"))
+    assert v["mpengine:cache_config_info", info] == 1
 
 
 def test_token_buckets_follow_1_2_5() -> None:

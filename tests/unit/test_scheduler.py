@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpengine.config import EngineConfig
-from mpengine.protocol import AddRequest, Array, Feedback, SamplingParams
+from mpengine.protocol import STEP_TOKEN_BUCKETS, AddRequest, Array, Feedback, SamplingParams
 from mpengine.scheduler import BlockManager, RequestRejected, Scheduler
 from mpengine.testing.fake import FakeExecutor, FakeOutput, reference_generate
 
@@ -262,6 +262,17 @@ def test_gone_client_has_its_queued_requests_dropped_unannounced():
     assert set(sched.requests) == {("stays", "other")}
     assert [a.request_id for a in sched.take_announcements()] == ["other"]  # admitted
     assert sched.stats()["num_waiting"] == 0
+
+
+def test_steps_are_counted_by_tokens_computed():
+    sched = make_scheduler(budget=32)
+    add(sched, "a", list(range(10, 30)), max_tokens=3)  # a 20-token prefill, then decodes
+    tokens = []
+    steps = run(sched, FakeOutput(EOS), 0, lambda _, plan: tokens.append(len(plan.token_ids)))
+    counts = sched.stats()["step_tokens"]
+    assert tokens == [20, 1, 1] and sum(counts) == steps == 3
+    assert counts[STEP_TOKEN_BUCKETS.index(1)] == 2  # the decodes
+    assert counts[STEP_TOKEN_BUCKETS.index(32)] == 1  # the prefill (17..32 tokens)
 
 
 def test_abort_of_waiting_request_is_announced_then_aborted():
