@@ -29,3 +29,19 @@ def test_no_model_info_times_out() -> None:
     finally:
         ours.close()
         theirs.close()
+
+
+def test_ready_freezes_what_start_up_allocated() -> None:
+    """A stage's start-up objects leave the collector's generations when it is ready."""
+    import gc
+
+    ours, theirs = multiprocessing.Pipe()
+    garbage = [[i] for i in range(1000)]  # start-up's objects
+    try:
+        Control("executor", ours).ready()
+        assert gc.get_freeze_count() >= len(garbage)
+        assert theirs.poll(10) and theirs.recv_bytes()
+    finally:
+        gc.unfreeze()
+        ours.close()
+        theirs.close()
