@@ -271,3 +271,22 @@ def test_an_unwritable_cache_names_the_variable_to_set(monkeypatch: pytest.Monke
     monkeypatch.setenv("MPENGINE_CACHE_DIR", "/proc/no-such-dir")
     with pytest.raises(OSError, match="MPENGINE_CACHE_DIR"):
         resolve_model("tiny")
+
+
+def test_the_shape_models_have_qwen3_0_6b_dimensions() -> None:
+    """Built offline with random weights for device benchmarks: the real model's layers and
+    its padded vocabulary (the LM head and sampling are a share of a decode step), though
+    the built-in tokenizer names fewer tokens."""
+    config = tiny.model_config(tiny.model_spec("qwen3", "0.6b-shape"))
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (
+        28,
+        1024,
+        3072,
+    )
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
+        16,
+        8,
+        128,
+    )
+    assert config.vocab_size == 151_936 and config.tie_word_embeddings
+    assert tiny.model_config(tiny.model_spec("qwen3", "tiny")).vocab_size == 2048
