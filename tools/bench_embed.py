@@ -9,7 +9,8 @@ drawn (seeded, with repeats) from the 200 varied ones of
 ``mpengine.testing.embedding_reference``: short and long, a dozen scripts, emoji, code,
 numbers. ``hf-batched`` embeds the same sentences in arrival order, ``--batch-size`` (32)
 at a time (tokenize with padding, forward, the model's pooling, normalise), on the engines'
-device and dtype, with the thread count of the processes runtime's executor; ``hf-sorted``
+device and dtype (on the CPU with the faster of one thread and the processes runtime's
+count, timed on the warm-up, as the executors choose per step); ``hf-sorted``
 sorts them by length first, as an offline job would (sentence-transformers' ``encode``
 does), so its batches carry the least padding. Rows run in interleaved rounds
 (``--rounds``), so a shared machine's drifts hit them alike.
@@ -35,10 +36,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +47,7 @@ import numpy as np
 import mpengine
 from mpengine.protocol import StageTimes
 from mpengine.runtime.timing import EXECUTOR, OUTPUT, SCHEDULER, since
+from mpengine.testing.bench import Report, engine_record, gpu_share, percentile, stop_on_sigterm
 from mpengine.testing.embedding_reference import (
     ReferenceEmbedder,
     cosine,
@@ -95,13 +97,6 @@ class Run:
     latencies: list[float]
     num_tokens: int
     stages: dict[str, StageTimes] = field(default_factory=dict)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def row_name(text: str) -> str:
@@ -182,11 +177,24 @@ class HFRow:
     ) -> None:
         import torch
 
+        self.torch = torch
         torch.set_num_threads(num_threads)
         self.embedder = ReferenceEmbedder(path, device, dtype)
         self.pooling = pooling
         self.normalize = normalize
         self.num_threads = torch.get_num_threads()
+
+    def choose_threads(self, prompts: list, candidates: list[int]) -> None:
+        """Keep the fastest of ``candidates`` thread counts on ``prompts`` (the engines'
+        executors choose between one thread and all of them likewise)."""
+        seconds = {}
+        for threads in candidates:
+            self.torch.set_num_threads(threads)
+            start = time.perf_counter()
+            self.embed_all(prompts)
+            seconds[threads] = time.perf_counter() - start
+        self.num_threads = min(seconds, key=seconds.__getitem__)
+        self.torch.set_num_threads(self.num_threads)
 
     def embed_all(self, prompts: list, batch_size: int = 32) -> np.ndarray:
         return self.embedder.embed(prompts, self.pooling, self.normalize, batch_size=batch_size)
@@ -233,7 +241,12 @@ def run_model(name: str, args: argparse.Namespace) -> tuple[list[dict], dict[str
     try:
         for runtime in args.runtimes:
             if runtime.partition("@")[0] in CONFIGS:
+                start = time.perf_counter()
                 rows[runtime] = EngineRow(path, runtime, args)
+                print(
+                    f"  {name}: {runtime} started in {time.perf_counter() - start:.1f} s",
+                    flush=True,
+                )
         if not rows:
             raise SystemExit("--runtimes needs at least one engine runtime")
         # The engines' own device, dtype, pooling, and the executor's thread count.
@@ -267,6 +280,8 @@ def run_model(name: str, args: argparse.Namespace) -> tuple[list[dict], dict[str
             return [hf.embedder.tokenize(t) for t in texts]
 
         warm = prompts_of(sentences[:WARMUP])
+        if args.num_threads is None and info.device == "cpu" and first.max_threads > 1:
+            hf.choose_threads(warm, [1, first.max_threads])
         want = hf.embed_all(warm)
         for row in rows.values():  # warm-up, and a check that both compute the same thing
             row.embed_all(warm)
@@ -297,6 +312,7 @@ def run_model(name: str, args: argparse.Namespace) -> tuple[list[dict], dict[str
                     flush=True,
                 )
     finally:
+        engines = {runtime: engine_record(row.engine) for runtime, row in rows.items()}
         for row in rows.values():
             row.close()
 
@@ -322,6 +338,7 @@ def run_model(name: str, args: argparse.Namespace) -> tuple[list[dict], dict[str
                 "latency_p50_ms": 1e3 * percentile(latencies, 0.5),
                 "latency_p99_ms": 1e3 * percentile(latencies, 0.99),
                 "stages": {k: statistics.median(f.get(k, 0.0) for f in figures) for k in keys},
+                "engine": engines.get(runtime, {}),
             }
         )
     return results, agreement
@@ -405,7 +422,15 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--json", default="bench_embed.json")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="each engine's share of the GPU (default on CUDA: 0.85 split between the engine "
+        "rows and transformers, which run at once)",
+    )
     args = parser.parse_args()
+    stop_on_sigterm()
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # the length filter tokenizes over-long sentences
@@ -414,6 +439,10 @@ def main() -> None:
     for key in ("num_threads", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, key):
             args.engine[key] = getattr(args, key)
+    num_engines = sum(r.partition("@")[0] in CONFIGS for r in args.runtimes)
+    share = args.gpu_memory_utilization or gpu_share(args.device, num_engines)
+    if share is not None:
+        args.engine["gpu_memory_utilization"] = share
     if args.shape:
         models = [SHAPES[args.shape]]
     elif args.models:
@@ -421,27 +450,24 @@ def main() -> None:
     else:
         models = [MINILM if minilm_path() is not None else "tiny-bert"]
 
+    report = Report(args.json, args)
     rows: list[dict] = []
     agreement: dict[str, dict[str, float]] = {}
     for model in models:
-        results, agreement[model] = run_model(model, args)
+        try:
+            results, agreement[model] = run_model(model, args)
+        except Exception as exc:  # the next model may still run: keep what was measured
+            traceback.print_exc()
+            report.append("errors", {"model": model, "error": repr(exc)})
+            continue
         rows += results
+        report.update(results=rows, cosine_vs_hf=agreement)
     print_table(rows)
     print()
     for model, cosines in agreement.items():
         for runtime, value in cosines.items():
             print(f"{model} {runtime}: lowest cosine to {HF_ROW} on the warm-up: {value:.6f}")
-    with open(args.json, "w") as f:
-        json.dump(
-            {
-                "args": {k: v for k, v in vars(args).items() if k != "engine"},
-                "engine": args.engine,
-                "cosine_vs_hf": agreement,
-                "results": rows,
-            },
-            f,
-            indent=2,
-        )
+    report.finish(results=rows, cosine_vs_hf=agreement)
     print(f"\nwrote {args.json}")
 
 

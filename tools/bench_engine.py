@@ -1,9 +1,13 @@
 """Offline generation throughput: every runtime, and Hugging Face's static ``generate``.
 
 For each model: launch one engine per runtime (serial, processes at async depth 0 and 1,
-threads) and load the model in this process for the ``hf-generate`` row, warm them up, then
-time ``--repeats`` rounds, each running the same prompts x ``--max-tokens`` tokens on every
-row in turn (interleaved, so drifts of a shared machine hit them alike). Engines run greedy
+threads) and load the model in this process for the ``hf-generate`` row, warm each up with
+a whole round, then time ``--repeats`` rounds, each running the same prompts x
+``--max-tokens`` tokens on every row in turn (interleaved, so drifts of a shared machine hit
+them alike; each round's prompts are new, so no engine finds them in its prefix cache). On
+the CPU, ``hf-generate`` runs with the faster of one thread and all of them in its warm-up,
+as each engine's executor chooses per size of step. On CUDA the engines share the device
+(``--gpu-memory-utilization``, by default 0.85 split between the rows). Engines run greedy
 with ``ignore_eos``; HF gets the prompts left-padded in one batch, greedy, with
 ``min_new_tokens = max_new_tokens``, on the same device and dtype, so both generate the same
 number of tokens. ``--mixed`` gives the requests output lengths from 8 to 256; HF's static
@@ -13,7 +17,9 @@ Reported: median tokens/s, the ratio to the serial runtime measured in the same 
 each engine its step breakdown over the timed rounds (medians): the step period, the
 executor's duty (forward + sample share of its time), each stage's busy ms per step and
 the executor's phases, and the waits per step on the rings and the lockstep counter.
-Prints two tables, writes JSON. A row named ``RUNTIME@N`` (``processes-depth1@1``) runs with
+Prints two tables, writes JSON (after every round, with each engine's device, dtype, KV
+cache and start-up time, the versions and the commit; ``"complete"`` once done). A row
+named ``RUNTIME@N`` (``processes-depth1@1``) runs with
 N torch threads, so thread counts can be compared in one run; ``RUNTIME:BACKEND``
 (``serial:torch``) with that attention backend, ``RUNTIME+compile`` with compiled decode
 steps (``compile_decode``). ``--busy-neighbours N`` runs the timed rounds beside N
@@ -27,7 +33,6 @@ processes spinning on a core each, as on a shared machine.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import subprocess
@@ -49,6 +54,7 @@ from mpengine.protocol import (
     result_decoder,
 )
 from mpengine.runtime.timing import EXECUTOR, OUTPUT, Clock, breakdown, since
+from mpengine.testing.bench import Report, engine_record, gpu_share, stop_on_sigterm
 from mpengine.testing.engine import wait_idle
 
 CONFIGS = {
@@ -94,8 +100,10 @@ class Workload:
         return sum(self.lengths)
 
 
-def workload(model: str, args: argparse.Namespace) -> Workload:
-    """Tokenized once here, so engines and HF see the very same ids."""
+def workload(model: str, args: argparse.Namespace, label: str) -> Workload:
+    """Tokenized once here, so engines and HF see the very same ids. Each round's prompts
+    start with its ``label``: a round never finds the previous one's prompts in an
+    engine's prefix cache (HF computes every prompt)."""
     from tokenizers import Tokenizer
 
     from mpengine.testing.tiny import resolve_model
@@ -103,7 +111,7 @@ def workload(model: str, args: argparse.Namespace) -> Workload:
     tokenizer = Tokenizer.from_file(str(Path(resolve_model(model)) / "tokenizer.json"))
     topics = ["the sea", "a city at night", "old machines", "mountain weather", "a library"]
     texts = [
-        f"Request {i}: write a few lines about {topics[i % len(topics)]}."
+        f"{label}. Request {i}: write a few lines about {topics[i % len(topics)]}."
         for i in range(args.num_requests)
     ]
     prompts = [tokenizer.encode(text).ids for text in texts]
@@ -156,13 +164,19 @@ class EngineRow:
     def __init__(self, model: str, name: str, args: argparse.Namespace) -> None:
         base, threads, options = row_spec(name)
         engine = dict(args.engine, **({"num_threads": threads} if threads else {}), **options)
+        start = time.perf_counter()
         self.engine = mpengine.launch(model=model, **CONFIGS[base], **engine)
+        self.start_s = time.perf_counter() - start
         self.client = self.engine.client()
         info = self.engine.model
         assert info is not None
         # "1-2": the executor runs each size of step with 1 or 2 threads, timing both.
         self.num_threads = f"1-{info.num_threads}" if info.thread_tuning else info.num_threads
         self.args = args
+        self.record = {**engine_record(self.engine), "start_s": self.start_s}
+
+    def warm_up(self, work: Workload) -> None:
+        self.run(work)
 
     def run(self, work: Workload, lengths: list[int] | None = None) -> int:
         params = [
@@ -197,6 +211,7 @@ class HFRow:
 
         from mpengine.testing.tiny import resolve_model
 
+        start = time.perf_counter()
         self.torch = torch
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -207,8 +222,28 @@ class HFRow:
         eos = config.eos_token_id
         pad = config.pad_token_id
         self.pad = pad if pad is not None else eos if isinstance(eos, int) else eos[0]
-        # Set for each run (rows of this process may differ); torch's default otherwise.
+        # Set for each run (rows of this process may differ). Not given: on the CPU, the
+        # faster of one thread and all of them in the warm-up, as the engines choose.
+        self.given_threads = num_threads
         self.num_threads = num_threads or torch.get_num_threads()
+        self.record = {
+            "device": device,
+            "dtype": dtype,
+            "start_s": time.perf_counter() - start,
+        }
+
+    def warm_up(self, work: Workload) -> None:
+        choices = [self.num_threads]
+        if self.given_threads is None and self.device.type == "cpu" and self.num_threads > 1:
+            choices = [1, self.num_threads]
+        seconds = {}
+        for threads in choices:
+            self.num_threads = threads
+            start = time.perf_counter()
+            self.run(work)
+            seconds[threads] = time.perf_counter() - start
+        self.num_threads = min(seconds, key=seconds.__getitem__)
+        self.record["warm_up_s_by_threads"] = seconds
 
     def run(self, work: Workload, lengths: list[int] | None = None) -> int:
         torch = self.torch
@@ -240,12 +275,36 @@ class HFRow:
         del self.model
 
 
-def run_model(model: str, args: argparse.Namespace) -> list[dict]:
+def run_model(model: str, args: argparse.Namespace, report: Report) -> list[dict]:
     """Every row of one model, started together and timed in interleaved rounds (an idle
-    engine costs ~1% of a core)."""
-    work = workload(model, args)
+    engine costs ~1% of a core); each row's results so far go to ``report`` after every
+    round."""
+    rounds = [workload(model, args, f"Round {index}") for index in range(args.repeats)]
     rows: dict[str, EngineRow | HFRow] = {}
     neighbours: list[subprocess.Popen] = []
+    times: dict[str, list[float]] = {}
+    figures: dict[str, list[dict[str, float]]] = {}
+
+    def results() -> list[dict]:
+        out = []
+        for name, row in rows.items():
+            if not times.get(name):
+                continue
+            median = statistics.median(times[name])
+            out.append(
+                {
+                    "model": model,
+                    "runtime": name,
+                    "num_threads": row.num_threads,
+                    "seconds": times[name],
+                    "median_seconds": median,
+                    "tokens_per_s": rounds[0].num_tokens / median,
+                    "breakdown": medians(figures[name]),
+                    "engine": row.record,
+                }
+            )
+        return out
+
     try:
         for name in args.runtimes:
             if row_spec(name)[0] != HF_ROW:
@@ -258,13 +317,15 @@ def run_model(model: str, args: argparse.Namespace) -> list[dict]:
             base, threads, _ = row_spec(name)
             if base == HF_ROW:
                 rows[name] = HFRow(model, device, dtype, threads or args.num_threads)
-        times: dict[str, list[float]] = {name: [] for name in rows}
-        figures: dict[str, list[dict[str, float]]] = {name: [] for name in rows}
-        for row in rows.values():
-            row.run(work, [8] * min(8, len(work.prompts)))  # warm-up
+        times.update({name: [] for name in rows})
+        figures.update({name: [] for name in rows})
+        warm_up = workload(model, args, "Warm-up")
+        for name, row in rows.items():  # a whole round each, untimed
+            row.warm_up(warm_up)
+            print(f"  {model}: {name} started in {row.record['start_s']:.1f} s", flush=True)
         for _ in range(args.busy_neighbours):
             neighbours.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
-        for _ in range(args.repeats):
+        for index, work in enumerate(rounds):
             for name, row in rows.items():
                 before = row.stages()
                 start = time.perf_counter()
@@ -278,27 +339,16 @@ def run_model(model: str, args: argparse.Namespace) -> list[dict]:
                     figures[name].append(
                         {"steps": totals["executor"].steps, **flatten(breakdown(totals))}
                     )
+                tokens_per_s = work.num_tokens / times[name][-1]
+                print(f"  {model}: round {index} {name} {tokens_per_s:.1f} tok/s", flush=True)
+            report.update(partial=results())
     finally:
         for process in neighbours:
             process.kill()
             process.wait()
         for row in rows.values():
             row.close()
-    results = []
-    for name, row in rows.items():
-        median = statistics.median(times[name])
-        results.append(
-            {
-                "model": model,
-                "runtime": name,
-                "num_threads": row.num_threads,
-                "seconds": times[name],
-                "median_seconds": median,
-                "tokens_per_s": work.num_tokens / median,
-                "breakdown": medians(figures[name]),
-            }
-        )
-    return results
+    return results()
 
 
 def accounting_cost_s(num_steps: int = 20_000) -> float:
@@ -457,6 +507,13 @@ def main() -> None:
     )
     parser.add_argument("--kv-cache-bytes", type=int, default=None, help="engine KV cache (CPU)")
     parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="each engine's share of the GPU (default on CUDA: 0.85 split between the engine "
+        "rows and the hf-generate row, which run at once)",
+    )
+    parser.add_argument(
         "--busy-neighbours",
         type=int,
         default=0,
@@ -466,18 +523,24 @@ def main() -> None:
     )
     parser.add_argument("--json", default="bench_engine.json")
     args = parser.parse_args()
+    stop_on_sigterm()
     args.engine = {"device": args.device, "log_level": "WARNING"}
     if args.num_threads:
         args.engine["num_threads"] = args.num_threads
     if args.kv_cache_bytes:
         args.engine["kv_cache_bytes"] = args.kv_cache_bytes
+    num_engines = sum(row_spec(name)[0] != HF_ROW for name in args.runtimes)
+    has_hf = num_engines < len(args.runtimes)
+    share = args.gpu_memory_utilization or gpu_share(args.device, num_engines, has_hf)
+    if share is not None:
+        args.engine["gpu_memory_utilization"] = share
     models = [SHAPES[args.shape]] if args.shape else args.models
+    report = Report(args.json, args)
 
-    rows = []
+    rows: list[dict] = []
     for model in models:
-        for row in run_model(model, args):
-            rows.append(row)
-            print(f"  {model:18} {row['runtime']:18} {row['tokens_per_s']:9.1f} tok/s", flush=True)
+        rows += run_model(model, args, report)
+        report.update(results=rows, partial=[])
     print_tables(rows)
     cost = max(accounting_cost_s(), relay_cost_s())
     fastest = min((r["breakdown"]["step_period_ms"] for r in rows if r["breakdown"]), default=0)
@@ -486,21 +549,7 @@ def main() -> None:
         f"\nthe breakdown costs a stage at most {cost * 1e6:.1f} us per step here: "
         f"{share:.2%} of the shortest step period above ({fastest:.2f} ms)"
     )
-    with open(args.json, "w") as f:
-        json.dump(
-            {
-                "num_requests": args.num_requests,
-                "max_tokens": args.max_tokens,
-                "mixed": args.mixed,
-                "device": args.device,
-                "repeats": args.repeats,
-                "busy_neighbours": args.busy_neighbours,
-                "breakdown_cost_us_per_step": cost * 1e6,
-                "results": rows,
-            },
-            f,
-            indent=2,
-        )
+    report.finish(results=rows, breakdown_cost_us_per_step=cost * 1e6)
     print(f"\nwrote {args.json}")
 
 

@@ -4,7 +4,8 @@
         [--contexts 128 512 1024] [--backends torch] [--json bench_executor.json]
 
 Per attention backend (default: those this machine runs, native and torch on the CPU, triton
-and torch on a GPU; ``default`` leaves the choice to the executor) and context length: one executor
+with and without CUDA graphs (``triton+eager``) and torch on a GPU; ``default`` leaves the
+choice to the executor) and context length: one executor, after one untimed prefill chunk,
 prefills the largest sequence count with prompts of that length in steps of
 ``--prefill-tokens`` tokens (prefill tokens/s), then, per sequence count ``n``, times
 
@@ -15,14 +16,13 @@ prefills the largest sequence count with prompts of that length in steps of
 
 Decodes recompute the same position each step (``-1``: the slot's last sampled token), so
 contexts stay fixed. Prints the median wall time per step and the median process CPU time
-(a busy machine inflates it less) over ``--steps`` steps after two warm-up ones, writes every
-sample to JSON.
+(a busy machine inflates it less) over ``--steps`` steps after two warm-up ones (on a GPU,
+synchronised before and after each step), writes every sample to JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -33,6 +33,7 @@ import torch
 from mpengine.config import EngineConfig
 from mpengine.executor import Executor
 from mpengine.protocol import Array, RequestParams, SamplingParams, SeqStart, StepPlan
+from mpengine.testing.bench import Report, stop_on_sigterm
 from mpengine.testing.fake import start_seq
 
 BLOCK_SIZE = 16
@@ -74,6 +75,7 @@ class Bench:
         self.max_seqs = max(args.seqs)
         n = self.max_seqs
         self.blocks_per_seq = math.ceil((context + args.chunk + 1) / BLOCK_SIZE)
+        name, _, eager = backend.partition("+")
         config = EngineConfig(
             model=args.model,
             block_size=BLOCK_SIZE,
@@ -81,10 +83,13 @@ class Bench:
             max_num_seqs=n,
             max_num_batched_tokens=args.prefill_tokens,
             num_threads=args.threads,
+            enforce_eager=eager == "eager",
         ).resolve()
-        kwargs = {} if backend == "default" else {"attention_backend": backend}
+        kwargs = {} if name == "default" else {"attention_backend": name}
         self.executor = Executor(config, **kwargs)
-        self.backend = getattr(self.executor, "backend", backend)
+        self.backend = getattr(self.executor, "backend", name) + ("+eager" if eager else "")
+        self.cuda_graphs = self.executor.graphs is not None
+        self.cuda = self.executor.device.type == "cuda"
         self.rng = np.random.default_rng(0)
         self.params = SamplingParams(temperature=args.temperature, max_tokens=10**6)
         self.step = 0
@@ -92,6 +97,22 @@ class Bench:
         # mixed steps' prefill chunk.
         owned = self.rng.permutation((n + 1) * self.blocks_per_seq)
         self.owned = owned.reshape(n + 1, self.blocks_per_seq).astype(np.int32)
+
+    def warm_up(self) -> None:
+        """One untimed prefill chunk, sampled (first launches, kernel compiles), into the
+        mixed steps' slot, which each of them restarts."""
+        m, vocab = self.max_seqs, self.executor.info.vocab_size
+        take = min(self.context, max(self.args.prefill_tokens, 1))
+        tokens = self.rng.integers(3, vocab, take).astype(np.int32)
+        rows = np.arange(self.blocks_per_seq, dtype=np.int32)
+        blocks = (np.full(self.blocks_per_seq, m, np.int32), rows, self.owned[m])
+        one = np.array([m], np.int32)
+        fresh = [start_seq(m, m, take, self.params)]
+        step_plan = plan(
+            self.next_step(), one, np.zeros(1, np.int32), np.array([take], np.int32), tokens,
+            fresh, blocks, sample=np.ones(1, bool),
+        )  # fmt: skip
+        self.timed(step_plan)
 
     def prefill(self) -> float:
         """Fill every sequence's prompt; returns prefill tokens/s."""
@@ -177,9 +198,14 @@ class Bench:
         return samples
 
     def timed(self, step_plan: StepPlan) -> tuple[float, float]:
-        """(wall, process CPU) seconds of one step."""
+        """(wall, process CPU) seconds of one step, its device work included (a step that
+        samples nothing returns before its kernels end)."""
+        if self.cuda:
+            torch.cuda.synchronize()
         wall, cpu = time.perf_counter(), time.process_time()
         result = self.executor.execute(step_plan)
+        if self.cuda:
+            torch.cuda.synchronize()
         assert result.error is None, result.error
         return time.perf_counter() - wall, time.process_time() - cpu
 
@@ -194,23 +220,6 @@ def medians(samples: list[tuple[float, float]]) -> dict:
         "cpu_ms": statistics.median(c for _, c in kept) * 1e3,
         "samples_ms": [round(w * 1e3, 3) for w, _ in samples],
     }
-
-
-def write_json(args: argparse.Namespace, rows: list[dict]) -> None:
-    """The rows so far (written after each one: a run cut short keeps what it measured)."""
-    with open(args.json, "w") as f:
-        json.dump(
-            {
-                "model": args.model,
-                "threads": args.threads or "the executor's policy",
-                "chunk": args.chunk,
-                "steps": args.steps,
-                "device": "cuda" if torch.cuda.is_available() else "cpu",
-                "results": rows,
-            },
-            f,
-            indent=2,
-        )
 
 
 def main() -> None:
@@ -230,19 +239,24 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    stop_on_sigterm()
     backends = args.backends or (
-        ["triton", "torch"] if torch.cuda.is_available() else ["native", "torch"]
+        ["triton", "triton+eager", "torch"] if torch.cuda.is_available() else ["native", "torch"]
     )
+    # The rows so far are written after each one: a run cut short keeps what it measured.
+    report = Report(args.json, args, device="cuda" if torch.cuda.is_available() else "cpu")
 
     rows = []
     for backend in backends:
         for context in args.contexts:
             bench = Bench(args, backend, context)
+            bench.warm_up()
             prefill = bench.prefill()
             print(f"{bench.backend} context {context}: prefill {prefill:,.0f} tokens/s", flush=True)
             for n in args.seqs:
                 row = {
                     "backend": bench.backend,
+                    "cuda_graphs": bench.cuda_graphs,
                     "context": context,
                     "seqs": n,
                     "prefill_tokens_per_s": prefill,
@@ -251,7 +265,7 @@ def main() -> None:
                     "mixed": medians(bench.mixed(n)),
                 }
                 rows.append(row)
-                write_json(args, rows)
+                report.update(results=rows)
                 print(
                     f"  {n:4} seqs: decode {row['decode']['wall_ms']:7.2f} ms"
                     f"  uneven {row['uneven']['wall_ms']:7.2f} ms"
@@ -273,7 +287,7 @@ def main() -> None:
             f"{r['mixed']['wall_ms']:>10.2f}{r['mixed']['cpu_ms']:>8.2f}"
             f"{r['prefill_tokens_per_s']:>15,.0f}"
         )
-    write_json(args, rows)
+    report.finish(results=rows)
     print(f"\nwrote {args.json}")
 
 

@@ -14,13 +14,13 @@ time to first token (median over all requests of the timed rounds) and output to
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 
 import mpengine
 from mpengine import SamplingParams
+from mpengine.testing.bench import Report, engine_record, gpu_share, percentile, stop_on_sigterm
 
 
 def run_round(
@@ -46,8 +46,21 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="each engine's share of the GPU (default on CUDA: 0.85 split between the two)",
+    )
     parser.add_argument("--json", default="bench_prefix_cache.json")
     args = parser.parse_args()
+    stop_on_sigterm()
+    report = Report(args.json, args)
+    options: dict[str, object] = {"device": args.device}
+    share = args.gpu_memory_utilization or gpu_share(args.device, 2, hf_row=False)
+    if share is not None:
+        options["gpu_memory_utilization"] = share
 
     engines = {
         caching: mpengine.launch(
@@ -55,6 +68,7 @@ def main() -> None:
             prefix_caching=caching,
             max_num_seqs=args.concurrency,
             log_level="WARNING",
+            **options,
         )
         for caching in (True, False)
     }
@@ -82,7 +96,9 @@ def main() -> None:
                 + ", ".join(f"{name} {rates[name][-1]:7.0f} tok/s" for name in rows),
                 flush=True,
             )
+            report.update(tokens_per_s=rates, ttft_s=ttfts)
         hits = clients[True].stats()
+        report.update(engines={str(k): engine_record(e) for k, e in engines.items()})
     finally:
         for client in clients.values():
             client.close()
@@ -94,7 +110,7 @@ def main() -> None:
         return (
             statistics.median(rates[name]),
             1000 * statistics.median(ttft),
-            1000 * ttft[int(0.99 * (len(ttft) - 1))],
+            1000 * percentile(ttft, 0.99),
         )
 
     on, off, cold = row("caching"), row("no caching"), row("caching, cold")
@@ -113,18 +129,12 @@ def main() -> None:
         f"{cold[0] / off[0]:.2f}x and {off[1] / cold[1]:.1f}x; cache hit rate "
         f"{hits.prefix_cache_hits / max(1, hits.prefix_cache_queries):.1%}"
     )
-    with open(args.json, "w") as f:
-        json.dump(
-            {
-                "args": vars(args),
-                "tokens_per_s": rates,
-                "ttft_s": ttfts,
-                "prefix_cache_queries": hits.prefix_cache_queries,
-                "prefix_cache_hits": hits.prefix_cache_hits,
-            },
-            f,
-            indent=2,
-        )
+    report.finish(
+        tokens_per_s=rates,
+        ttft_s=ttfts,
+        prefix_cache_queries=hits.prefix_cache_queries,
+        prefix_cache_hits=hits.prefix_cache_hits,
+    )
 
 
 if __name__ == "__main__":
