@@ -46,7 +46,7 @@ def gpu_share(device: str, num_engines: int, hf_row: bool = True) -> float | Non
             return None
         if not torch.cuda.is_available():
             return None
-    return round(GPU_SHARE_TOTAL / (num_engines + (1 if hf_row else 0)), 3)
+    return GPU_SHARE_TOTAL / (num_engines + (1 if hf_row else 0))
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -141,29 +141,20 @@ def _version(name: str) -> str | None:
 
 def _commit() -> str | None:
     """The checkout's commit (``MPENGINE_COMMIT`` where a copy has no git metadata)."""
-    if commit := os.environ.get("MPENGINE_COMMIT"):
-        return commit
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
+    return os.environ.get("MPENGINE_COMMIT") or _output(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"]
+    )
 
 
 def _gpu() -> str | None:
     """The GPU's name and driver, from ``nvidia-smi`` (no torch import); None without one."""
+    return _output(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+
+
+def _output(cmd: list[str]) -> str | None:
+    """What ``cmd`` prints, stripped; None when it cannot run or prints nothing."""
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
