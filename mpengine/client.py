@@ -114,6 +114,7 @@ _MONITOR_EVENTS = (
 # waits this long for the launcher's word on why (a stage's error) before a generic one.
 LAUNCHER_WORD_S = 1.0
 HELLO_RETRY_S = 0.1  # the first wait for a hello's answer before connecting again
+MAX_CLIENT_ID_BYTES = 200  # a caller's client name (ZMQ routing ids: 255 bytes at most)
 HELLO_SEND_POLL_S = 0.01  # how often a hello no connection takes yet is tried again
 HELLO_RETRY_MAX_S = 2.0
 
@@ -518,8 +519,8 @@ class _Dealer:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
-        # An engine ignores a connection under a client_id another one holds, also one
-        # closed a moment ago that its socket has not let go of yet: without an answer,
+        # An engine ignores a connection under a routing id another one holds (two clients
+        # given the same id: not this library's, which adds a nonce): without an answer,
         # connect again (and say hello again) after 0.1 s, then twice as long each time.
         retry_s, retry_at = HELLO_RETRY_S, time.monotonic() + HELLO_RETRY_S
         while True:
@@ -529,8 +530,7 @@ class _Dealer:
             elif remaining <= 0:
                 raise ConnectionError(
                     f"no answer from an engine at {self.address} within {deadline.timeout:g} s:"
-                    " is it running there? (An engine also ignores a connection whose client_id"
-                    " another live connection already uses.)"
+                    " is it running there?"
                 )
             if time.monotonic() >= retry_at:
                 with contextlib.suppress(zmq.ZMQError):  # (not connected: ENOENT)
@@ -652,7 +652,15 @@ class _Connection:
     def __init__(
         self, address: str, *, timeout: float, client_id: str | None, auth_token: str | None
     ) -> None:
+        if client_id is not None and not 0 < len(client_id.encode()) <= MAX_CLIENT_ID_BYTES:
+            raise ValueError(f"client_id must be 1 to {MAX_CLIENT_ID_BYTES} bytes of UTF-8")
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
+        # Each connection routes under an id of its own, the caller's name plus a nonce: the
+        # engine forgets a connection found gone (and drops what it still queues of it), so
+        # a new connection under that name must never be taken for the old one.
+        self.routing_id = (
+            f"{self.client_id}.{uuid.uuid4().hex[:8]}" if client_id else self.client_id
+        )
         self.address = connectable(address)
         self.sinks: dict[str, Sink] = {}  # wire id -> where its deltas go
         self.live: dict[str, str] = {}  # caller's request id -> wire id, until it ends here
@@ -671,17 +679,17 @@ class _Connection:
         self.supervised = False  # a launcher in this process calls engine_died
         self._pid = os.getpid()
         deadline = _Deadline(timeout)
-        hello = encoder.encode(Hello(self.client_id))
+        hello = encoder.encode(Hello(self.routing_id))
         ctx = _context()
         dealers: list[_Dealer] = []
         try:
-            dealers.append(_Dealer(ctx, self.address, self.client_id, auth_token))
+            dealers.append(_Dealer(ctx, self.address, self.routing_id, auth_token))
             info = dealers[0].handshake(hello, scheduler_reply_decoder(), deadline)
             if not isinstance(info, EngineInfo):
                 raise ConnectionError(f"{self.address} answered hello with {type(info).__name__}")
             self.info = info
             self.output_address = output_address(self.address, info.output_address)
-            dealers.append(_Dealer(ctx, self.output_address, self.client_id, auth_token))
+            dealers.append(_Dealer(ctx, self.output_address, self.routing_id, auth_token))
             dealers[1].handshake(hello, output_reply_decoder(), deadline)
         except BaseException:
             for dealer in dealers:
@@ -1397,7 +1405,8 @@ class Client(_ClientBase):
 
     ``address``: the engine's request address (``engine.address``; ``ipc://...`` or
     ``tcp://host:port``). ``timeout``: seconds for the handshake (and tokenizer fetch).
-    ``client_id``: the routing id (default: random; must be unique among connections).
+    ``client_id``: a name for the client in logs (default: random); each connection routes
+    under it plus a nonce of its own, so clients may share a name.
     ``auth_token``: the engine's ``auth_token``, if it has one.
     """
 

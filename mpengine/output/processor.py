@@ -176,6 +176,12 @@ class OutputProcessor:
         self._gone_news.append(client_id)
         return True
 
+    def client_back(self, client_id: str) -> None:
+        """A connection greeted under ``client_id``: whatever was found gone under it, this
+        one is a new client (whose requests come after its greeting)."""
+        if self._gone.pop(client_id, False) is None and client_id in self._gone_news:
+            self._gone_news.remove(client_id)
+
     # -- the step ------------------------------------------------------------------------
 
     def process(self, result: StepResult) -> tuple[Feedback, list[Output]]:

@@ -226,6 +226,8 @@ class OutputDoor:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 refused = f"expected a Hello: {exc}"
             reply = encoder.encode(RequestError("", refused)) if refused else self.hello
+            if not refused:  # (a connection under the id of one found gone: a new client)
+                self.processor.client_back(client_id.decode(errors="replace"))
             self.edge.send(client_id, reply)
 
     def send(self, deltas: list[tuple[str, OutputDelta]]) -> None:

@@ -275,6 +275,15 @@ def test_gone_client_is_reported_once_and_its_later_requests_end_at_once(
     assert proc.num_unfinished == 1
 
 
+def test_a_connection_greeting_under_a_gone_id_is_a_new_client(proc: OutputProcessor) -> None:
+    proc.drop_client("svc")
+    proc.client_back("svc")  # before the news went out: the scheduler is not told
+    proc.announce(new("a", [1], client="svc"))
+    feedback, out = proc.process(result(0, [(1, 40)]))
+    assert feedback.gone_clients == [] and [c for c, _ in out] == ["svc"]
+    proc.client_back("never-gone")  # (nothing to forget)
+
+
 def test_gone_clients_are_reported_in_bounded_feedback(proc: OutputProcessor) -> None:
     clients = [f"c{i}" for i in range(GONE_CLIENTS_PER_FEEDBACK + 3)]
     for client in clients:
