@@ -1122,21 +1122,27 @@ def _wait_batch(
     waited: Sequence[_BatchRequest],
     deadline: _Deadline,
     finished: Callable[[_BatchRequest], object] | None = None,
-) -> None:
+    first: bool = False,
+) -> list[_BatchRequest]:
     """Take a batch's deltas, in arrival order, until every request of ``waited`` has
-    finished (each one passed to ``finished`` then): the first refused or failed one
+    finished (``first``: until any request of the batch has), each finished one passed to
+    ``finished``; return those that finished meanwhile. The first refused or failed one
     raises at once, whichever it is, not once those before it are done."""
     left = {id(r) for r in waited if not r.finished}
-    while left:
+    ended: list[_BatchRequest] = []
+    while (left or first) and not (first and ended):
         try:
             request, item = events.get(timeout=deadline.remaining())
         except queue.Empty:
-            raise deadline.error(f"{len(left)} requests aborted: not finished") from None
+            what = f"{len(left)} requests" if left else "the batch's requests"
+            raise deadline.error(f"{what} aborted: not finished") from None
         request._take(item)
         if request.finished:
             left.discard(id(request))
+            ended.append(request)
             if finished is not None:
                 finished(request)
+    return ended
 
 
 async def _await_batch(
@@ -1144,17 +1150,21 @@ async def _await_batch(
     waited: Sequence[_BatchRequest],
     deadline: _Deadline,
     finished: Callable[[_BatchRequest], object] | None = None,
-) -> None:
+    first: bool = False,
+) -> list[_BatchRequest]:
     """``_wait_batch`` on an event loop."""
     left = {id(r) for r in waited if not r.finished}
-    while left:
-        what = f"{len(left)} requests aborted: not finished"
-        request, item = await _within(events.get(), deadline, what)
+    ended: list[_BatchRequest] = []
+    while (left or first) and not (first and ended):
+        what = f"{len(left)} requests" if left else "the batch's requests"
+        request, item = await _within(events.get(), deadline, f"{what} aborted: not finished")
         request._take(item)
         if request.finished:
             left.discard(id(request))
+            ended.append(request)
             if finished is not None:
                 finished(request)
+    return ended
 
 
 def _reporting_embeddings(
@@ -1190,8 +1200,9 @@ class _Window:
     prompt tokens wait for admission; a batch keeps at most half of each in flight (other
     clients share the queue), and no more requests than four steps of ``max_num_seqs``
     take (enough to keep every step full, and several big batch calls fit the queue at
-    once). It submits the rest as earlier ones finish, marked ``continues`` (a draining
-    engine lets the call finish, and the engine refuses them only past twice its bounds)."""
+    once). It submits the rest as earlier ones finish, whichever they are (a long one does
+    not hold back the others), marked ``continues`` (a draining engine lets the call
+    finish, and the engine refuses them only past twice its bounds)."""
 
     def __init__(self, info: EngineInfo) -> None:
         self.max_requests = self.max_tokens = 1 << 62  # an engine that does not say
@@ -1199,21 +1210,26 @@ class _Window:
             half = info.max_waiting_requests // 2
             self.max_requests = max(1, min(half, 4 * info.max_num_seqs))
             self.max_tokens = max(1, info.max_waiting_tokens // 2)
-        self.sizes: deque[int] = deque()  # prompt tokens of each request in flight, in order
+        self.inflight: dict[int, int] = {}  # id of a request in flight -> its prompt tokens
         self.tokens = 0
+        self.released = 0  # requests that finished and left the window
 
     def admits(self, request: AddRequest) -> bool:
-        """Whether ``request`` may go now; else the oldest in flight must finish first."""
+        """Whether ``request`` may go now; else one in flight must finish first."""
         size = len(request.prompt_token_ids)
-        fits = len(self.sizes) < self.max_requests and self.tokens + size <= self.max_tokens
-        return not self.sizes or fits
+        fits = len(self.inflight) < self.max_requests and self.tokens + size <= self.max_tokens
+        return not self.inflight or fits
 
-    def add(self, request: AddRequest) -> None:
-        self.sizes.append(len(request.prompt_token_ids))
-        self.tokens += self.sizes[-1]
+    def add(self, request: _BatchRequest, size: int) -> None:
+        self.inflight[id(request)] = size
+        self.tokens += size
 
-    def pop_oldest(self) -> None:
-        self.tokens -= self.sizes.popleft()
+    def release(self, finished: list[_BatchRequest]) -> None:
+        for request in finished:
+            size = self.inflight.pop(id(request), None)
+            if size is not None:
+                self.tokens -= size
+                self.released += 1
 
 
 def _priorities(priority: int | Sequence[int], count: int) -> list[int]:
@@ -1533,18 +1549,16 @@ class Client(_ClientBase):
         deadline = _Deadline(timeout)
         events: queue.SimpleQueue = queue.SimpleQueue()
         requests: list[_BatchRequest] = []
-        window, done = _Window(self.info), 0
+        window = _Window(self.info)
         try:
             for prompt, p, rid, prio in zip(prompts, params, ids, priorities, strict=True):
                 request = make(prompt, p, rid, prio)
-                while not window.admits(request):  # wait for the oldest in flight
-                    _wait_batch(events, requests[done : done + 1], deadline, finished)
-                    window.pop_oldest()
-                    done += 1
-                request.continues = done > 0
+                while not window.admits(request):  # wait for one in flight to finish
+                    window.release(_wait_batch(events, (), deadline, finished, first=True))
+                request.continues = window.released > 0
                 requests.append(_BatchRequest(self._conn, request, events.put, len(requests)))
-                window.add(request)
-            _wait_batch(events, requests[done:], deadline, finished)
+                window.add(requests[-1], len(request.prompt_token_ids))
+            _wait_batch(events, requests, deadline, finished)
             return requests
         finally:
             for r in requests:
@@ -1714,7 +1728,7 @@ class AsyncClient(_ClientBase):
         events: asyncio.Queue = asyncio.Queue()
         requests: list[_BatchRequest] = []
         put = _threadsafe_put(asyncio.get_running_loop(), events)
-        window, done = _Window(self.info), 0
+        window = _Window(self.info)
         try:
             if any(isinstance(prompt, str) for prompt in prompts):
                 await self._ensure_tokenizer("")
@@ -1726,14 +1740,12 @@ class AsyncClient(_ClientBase):
                 ],
             )
             for request in made:
-                while not window.admits(request):  # wait for the oldest in flight
-                    await _await_batch(events, requests[done : done + 1], deadline, finished)
-                    window.pop_oldest()
-                    done += 1
-                request.continues = done > 0
+                while not window.admits(request):  # wait for one in flight to finish
+                    window.release(await _await_batch(events, (), deadline, finished, first=True))
+                request.continues = window.released > 0
                 requests.append(_BatchRequest(self._conn, request, put, len(requests)))
-                window.add(request)
-            await _await_batch(events, requests[done:], deadline, finished)
+                window.add(requests[-1], len(request.prompt_token_ids))
+            await _await_batch(events, requests, deadline, finished)
             return requests
         finally:
             for r in requests:

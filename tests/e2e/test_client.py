@@ -364,6 +364,30 @@ def test_concurrent_batch_calls_share_the_queue(start_engine):
         assert_idle(c)
 
 
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_a_long_request_does_not_hold_back_the_rest_of_its_batch(start_engine, use_async):
+    """A batch call keeps 8 requests in flight (four steps of max_num_seqs 2): a long one
+    first, 40 short ones after it. The short ones flow beside the long one as each ends
+    (200 steps); waiting for the oldest in flight ran them after it (234)."""
+    small = start_engine(model="tiny", max_num_seqs=2)
+    prompts = [[3 + i, 5, 7] for i in range(41)]
+    params = [SamplingParams(max_tokens=200, ignore_eos=True)]
+    params += [SamplingParams(max_tokens=2, ignore_eos=True)] * 40
+    with small.client() as c:
+        before = c.stats().step
+        if use_async:
+
+            async def run() -> list:
+                async with mpengine.AsyncClient(small.address) as a:
+                    return await a.generate_many(prompts, params, timeout=120)
+
+            outs = asyncio.run(run())
+        else:
+            outs = c.generate_many(prompts, params, timeout=120)
+        assert [len(o.token_ids) for o in outs] == [200] + [2] * 40
+        assert wait_idle(c).step - before < 220
+
+
 def test_a_batch_call_under_way_is_not_refused_by_others_filling_the_queue(start_engine):
     """Single requests of another client keep the queue (4 requests) full while a batch
     call feeds its windows (2 requests): the batch's later requests go in past the bound
