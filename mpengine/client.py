@@ -1197,18 +1197,18 @@ class _AsyncRequest(_Request):
 class _Window:
     """The requests of one batch call in flight at once. The engine refuses a request
     (``overloaded``) once ``max_waiting_requests`` requests or ``max_waiting_tokens``
-    prompt tokens wait for admission; a batch keeps at most half of each in flight (other
-    clients share the queue), and no more requests than four steps of ``max_num_seqs``
-    take (enough to keep every step full, and several big batch calls fit the queue at
-    once). It submits the rest as earlier ones finish, whichever they are (a long one does
-    not hold back the others), marked ``continues`` (a draining engine lets the call
-    finish, and the engine refuses them only past twice its bounds)."""
+    prompt tokens wait for admission; a batch keeps at most half of the tokens and a
+    quarter of the requests in flight (other clients share the queue: four big batch calls
+    fit it at once), and no more requests than four steps of ``max_num_seqs`` take (enough
+    to keep every step full). It submits the rest as earlier ones finish, whichever they
+    are (a long one does not hold back the others), marked ``continues`` (a draining
+    engine lets the call finish, and the engine refuses them only past twice its bounds)."""
 
     def __init__(self, info: EngineInfo) -> None:
         self.max_requests = self.max_tokens = 1 << 62  # an engine that does not say
         if info.max_waiting_requests:
-            half = info.max_waiting_requests // 2
-            self.max_requests = max(1, min(half, 4 * info.max_num_seqs))
+            quarter = info.max_waiting_requests // 4
+            self.max_requests = max(1, min(quarter, 4 * info.max_num_seqs))
             self.max_tokens = max(1, info.max_waiting_tokens // 2)
         self.inflight: dict[int, int] = {}  # id of a request in flight -> its prompt tokens
         self.tokens = 0
