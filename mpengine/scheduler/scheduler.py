@@ -415,17 +415,17 @@ class Scheduler:
         if chunk:
             self.announcements.append(AbortRequests(client_id, chunk))
 
-    def _drop_client(self, client_id: str) -> list[int]:
-        """The output processor found the client gone: end its requests here, queued ones
-        included, silently (the output processor ends those it knows of, and those announced
-        later, itself). Returns the keys of the requests ended."""
-        requests = [request for key, request in self.requests.items() if key[0] == client_id]
+    def _drop_clients(self, client_ids: set[str]) -> list[int]:
+        """The output processor found these clients gone: end their requests here, queued
+        ones included, silently (the output processor ends those it knows of, and those
+        announced later, itself). Returns the keys of the requests ended."""
+        requests = [request for key, request in self.requests.items() if key[0] in client_ids]
         for request in requests:
             for seq in request.seqs:
                 if not seq.finished:
                     self._finish(seq)
         if requests:
-            logger.debug("dropped %d requests of %s, which is gone", len(requests), client_id)
+            logger.debug("dropped %d requests of %d clients gone", len(requests), len(client_ids))
         return [request.key for request in requests]
 
     def abort_all(self) -> None:
@@ -483,8 +483,8 @@ class Scheduler:
                 self.counters["generated_tokens"] += 1
             if not seq.finished:  # (a pooling sequence finished when its last chunk was planned)
                 self._finish(seq)
-        for client_id in feedback.gone_clients:
-            aborted.update(self._drop_client(client_id))
+        if feedback.gone_clients:
+            aborted.update(self._drop_clients(set(feedback.gone_clients)))
         self.counters["aborted"] += len(aborted)
         self.done = max(self.done, feedback.step)
         self._release_done()
