@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import signal
 import sys
 import threading
@@ -53,6 +54,25 @@ def _arg_type(annotation: object) -> tuple[type, list | None]:
     return annotation, None  # type: ignore[return-value]
 
 
+# Sizes in bytes, which the flags also take with a unit (binary: 4GiB, 4G, 512MiB, 1.5GiB).
+BYTE_FIELDS = ("kv_cache_bytes", "swap_space", "ring_bytes", "max_request_bytes")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+# vLLM's names of the same flags, so its users' command lines work.
+VLLM_ALIASES = {"prefix_caching": "--enable-prefix-caching"}
+
+
+def parse_bytes(text: str) -> int:
+    """``"4GiB"``, ``"4G"``, ``"4gb"``, ``"512MiB"``, ``"1.5GiB"`` or ``"4294967296"``:
+    bytes (units are binary)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgtKMGT]?)(?:i?[bB])?\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: bytes, or a number with a unit (4GiB, 512MiB)"
+        )
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[unit.lower()])
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig, include_extras=True)
@@ -61,13 +81,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kind, choices = _arg_type(hints[name])
         default = getattr(defaults, name)
         help_text = HELP[name] + (f" (default: {default})" if default not in (None, "") else "")
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-")]
+        if name in VLLM_ALIASES:
+            flags.append(VLLM_ALIASES[name])
         if kind is bool:  # --flag / --no-flag
             action = argparse.BooleanOptionalAction
-            group.add_argument(flag, dest=name, action=action, default=_NONE, help=help_text)
+            group.add_argument(*flags, dest=name, action=action, default=_NONE, help=help_text)
             continue
+        if name in BYTE_FIELDS:
+            kind = parse_bytes  # type: ignore[assignment]
         group.add_argument(
-            flag, dest=name, type=kind, choices=choices, default=_NONE, help=help_text
+            *flags, dest=name, type=kind, choices=choices, default=_NONE, help=help_text
         )
     group.add_argument("--auth-token-file", default=None, help=TOKEN_FILE_HELP)
 
@@ -275,6 +299,10 @@ def cmd_embed(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from mpengine.server.run import serve
 
+    if args.model_tag is not None:
+        if args.model is not _NONE and args.model != args.model_tag:
+            raise SystemExit(f"mpengine: two models: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     return serve(args, config_from_args(args))
 
 
@@ -340,6 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run an engine with an OpenAI-compatible HTTP API until SIGTERM or SIGINT (then "
         "drain); IPC clients connect to its address too",
+    )
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as --model (vLLM's `vllm serve MODEL`)",
     )
     add_engine_args(serve)
     add_serve_args(serve)

@@ -200,8 +200,9 @@ HELP = {
     "one process (a comparison: they share the GIL)",
     "async_depth": "how many steps the scheduler may run ahead of output processing (0 or 1)",
     "block_size": "tokens per KV cache block",
-    "kv_cache_bytes": "KV cache size on the CPU (default 1 GiB; its memory is taken as its "
-    "blocks are first used, so the executor's RSS grows up to it under load)",
+    "kv_cache_bytes": "KV cache size on the CPU, in bytes or with a unit (4GiB; default 1 GiB; "
+    "its memory is taken as its blocks are first used, so the executor's RSS grows up to it "
+    "under load)",
     "gpu_memory_utilization": "fraction of the GPU's total memory this engine may use: weights, "
     "activations and KV cache (CUDA only)",
     "num_gpu_blocks_override": "exact number of KV blocks, overriding the byte sizing",
@@ -225,7 +226,7 @@ HELP = {
     "engine_id": "names the engine's shm segments and runtime directory (default: random)",
     "address": "ipc:///DIR for DIR/requests.sock and DIR/outputs.sock (default: a private "
     "runtime directory), or tcp://HOST:PORT (requests on PORT, outputs on PORT+1)",
-    "max_request_bytes": "largest request frame a client may send",
+    "max_request_bytes": "largest request frame a client may send (bytes, or with a unit)",
     "ring_bytes": "capacity of each shared-memory ring (at least max_request_bytes + 64 KiB; "
     "plans and results are bounded to fit, see docs/internals.md)",
     "prefix_caching": "reuse the KV cache of prompts that share a prefix (automatic prefix "
@@ -234,7 +235,8 @@ HELP = {
     "(its blocks are dropped; it resumes by recomputing prompt and outputs) or swap (its "
     "blocks are copied to host memory and back when it resumes; recompute when the swap "
     "space is full, and for sequences with penalties or pooling)",
-    "swap_space": "host memory for swapped-out KV blocks, in bytes (pinned on a GPU)",
+    "swap_space": "host memory for swapped-out KV blocks, in bytes or with a unit (4GiB; "
+    "pinned on a GPU)",
     "scheduling_policy": "fcfs (arrival order) or priority (each request's priority, lower "
     "first, then arrival: it orders admission, resumption and which sequence is preempted)",
     "pooling": "how embeddings pool hidden states: auto (what the model directory's "

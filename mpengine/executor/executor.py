@@ -128,6 +128,12 @@ class Executor:
         num_host_blocks = 0
         if config.preemption_mode == "swap" and self.num_blocks:
             num_host_blocks = config.swap_space // spec.bytes_per_block
+            if num_host_blocks == 0:  # (vLLM's --swap-space 4 means GiB; here, bytes)
+                raise ValueError(
+                    f"swap_space ({config.swap_space} bytes) holds no KV block of "
+                    f"{spec.bytes_per_block} bytes: give it in bytes or with a unit "
+                    "(--swap-space 4GiB), or use preemption_mode recompute"
+                )
             host = allocate_swap_space(spec, num_host_blocks, self.device)
             self.swapper = Swapper(self.kv_caches, host, self.num_blocks)
         self.max_model_len = self.loaded.max_model_len

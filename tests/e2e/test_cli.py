@@ -3,6 +3,7 @@ embeddings."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import select
@@ -18,7 +19,7 @@ import torch
 from tokenizers import Tokenizer
 
 import mpengine
-from mpengine.cli import build_parser, main
+from mpengine.cli import build_parser, config_from_args, main, parse_bytes
 from mpengine.config import EngineConfig
 from mpengine.testing.tiny import resolve_model
 
@@ -202,6 +203,30 @@ def test_ctrl_c_or_sigterm_stops_the_engine_cleanly(signum, status, line):
     assert not [name for name in os.listdir("/dev/shm") if engine_id in name]
 
 
+def test_sizes_take_units_and_vllm_names_work():
+    """Byte sizes take binary units; vLLM's --enable-prefix-caching and `serve MODEL` work
+    (vLLM's --swap-space 4 means GiB: here 4 bytes, refused at start, see below)."""
+    assert parse_bytes("4GiB") == parse_bytes("4G") == parse_bytes("4gb") == 4 << 30
+    assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("1.5GiB") == 3 << 29
+    assert parse_bytes("4096") == 4096 and parse_bytes("64k") == 65536
+    for bad in ("", "GiB", "4 parsecs", "-1G"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_bytes(bad)
+    parser = build_parser()
+    args = parser.parse_args(
+        ["serve", "tiny-llama", "--swap-space", "2GiB", "--no-enable-prefix-caching"]
+    )
+    assert args.model_tag == "tiny-llama" and args.swap_space == 2 << 30
+    config = config_from_args(parser.parse_args(["generate", "--kv-cache-bytes", "256MiB"]))
+    assert config.kv_cache_bytes == 256 << 20
+    assert config_from_args(args).prefix_caching is False
+
+
+def test_a_swap_space_that_holds_no_block_is_refused_at_start():
+    with pytest.raises(mpengine.EngineStartError, match="swap_space \\(4 bytes\\) holds no KV"):
+        mpengine.launch(model="tiny", preemption_mode="swap", swap_space=4, log_level="ERROR")
+
+
 def test_bad_flags_fail_clearly():
     cmd = [sys.executable, "-m", "mpengine.cli", "generate", "--temperature", "-1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
@@ -224,8 +249,7 @@ def test_serve_then_connect_and_stats(tmp_path):
         "-m",
         "mpengine.cli",
         "serve",
-        "--model",
-        "tiny",
+        "tiny",  # the model, positional as in `vllm serve MODEL`
         "--address",
         address,
         "--port",
