@@ -137,6 +137,14 @@ class WindowStream:
         self._dropped = special_ids if skip_special_tokens else frozenset()
         ids = [t for t in context if t not in self._dropped]
         prefix = self._decode(ids)
+        # The tail may start inside a character (a byte-fallback group that does not decode
+        # then reads as U+FFFD for every byte, whole characters after it included): drop
+        # its first bytes (a character has at most 4), then any character left incomplete.
+        for _ in range(3):
+            if not prefix.startswith(REPLACEMENT):
+                break
+            del ids[0]
+            prefix = self._decode(ids)
         while ids and prefix.endswith(REPLACEMENT):
             ids.pop()
             prefix = self._decode(ids)

@@ -223,10 +223,10 @@ def test_refused_hello_raises_a_clear_error(fake, reply, error):
     assert isinstance(hello, Hello) and hello.protocol_version == PROTOCOL_VERSION
 
 
-def test_unanswered_hello_times_out_naming_client_id(fake):
+def test_unanswered_hello_times_out(fake):
     engine = fake(hello_reply="ignore")
     start = time.monotonic()
-    with pytest.raises(ConnectionError, match="client_id"):
+    with pytest.raises(ConnectionError, match="no answer from an engine .* within 0.5 s"):
         mpengine.Client(engine.address, timeout=0.5)
     assert time.monotonic() - start < 3
 

@@ -169,6 +169,16 @@ def test_outputs_read_as_they_follow_the_prompt(text: str, data: st.DataObject) 
         assert "\ufffd" not in "".join(pieces)
 
 
+def test_a_prompt_tail_that_starts_inside_a_character() -> None:
+    """The prompt's last 5 tokens begin with the last byte of one character: decoded as a
+    group, every byte of it read U+FFFD, the whole tail was dropped and the output's
+    space with it (the decoder strips a text's leading space)."""
+    ids = SENTENCEPIECE.encode("\x80\U00010000 ").ids  # ..., <0x80>, 4 bytes, "▁"
+    prompt, outputs = ids[:-1], ids[-1:]
+    stream = WindowStream(SENTENCEPIECE, True, context=prompt[-PROMPT_TAIL_TOKENS:])
+    assert run(stream, outputs)[1] == " "
+
+
 def test_the_first_output_word_keeps_its_space() -> None:
     prompt = SENTENCEPIECE.encode("Hello").ids
     word = SENTENCEPIECE.encode("the the").ids[-1]
