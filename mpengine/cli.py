@@ -17,6 +17,7 @@ import time
 import types
 import typing
 from collections.abc import Iterator
+from decimal import Decimal
 
 import msgspec
 
@@ -62,15 +63,18 @@ VLLM_ALIASES = {"prefix_caching": "--enable-prefix-caching"}
 
 
 def parse_bytes(text: str) -> int:
-    """``"4GiB"``, ``"4G"``, ``"4gb"``, ``"512MiB"``, ``"1.5GiB"`` or ``"4294967296"``:
-    bytes (units are binary)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgtKMGT]?)(?:i?[bB])?\s*", text)
+    """``"4GiB"``, ``"4G"``, ``"4Gi"``, ``"4gb"``, ``"512MiB"``, ``"1.5GiB"`` or
+    ``"4294967296"``: whole bytes (units are binary)."""
+    match = re.fullmatch(
+        r"\s*([0-9]{1,20}(?:\.[0-9]{1,9})?|\.[0-9]{1,9})\s*(?:([kmgtKMGT])(?:i?[bB]?)|[bB])?\s*",
+        text,
+    )
     if match is None:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size: bytes, or a number with a unit (4GiB, 512MiB)"
         )
     number, unit = match.groups()
-    return int(float(number) * _UNITS[unit.lower()])
+    return int(Decimal(number) * _UNITS[(unit or "").lower()])
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -652,12 +652,13 @@ class _Connection:
     def __init__(
         self, address: str, *, timeout: float, client_id: str | None, auth_token: str | None
     ) -> None:
-        if client_id is not None and not 0 < len(client_id.encode()) <= MAX_CLIENT_ID_BYTES:
-            raise ValueError(f"client_id must be 1 to {MAX_CLIENT_ID_BYTES} bytes of UTF-8")
+        if client_id and len(client_id.encode()) > MAX_CLIENT_ID_BYTES:
+            raise ValueError(f"client_id must be at most {MAX_CLIENT_ID_BYTES} bytes of UTF-8")
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         # Each connection routes under an id of its own, the caller's name plus a nonce: the
         # engine forgets a connection found gone (and drops what it still queues of it), so
-        # a new connection under that name must never be taken for the old one.
+        # a new connection under that name must never be taken for the old one. ("" is no
+        # name: a random one.)
         self.routing_id = (
             f"{self.client_id}.{uuid.uuid4().hex[:8]}" if client_id else self.client_id
         )
@@ -1197,18 +1198,20 @@ class _AsyncRequest(_Request):
 class _Window:
     """The requests of one batch call in flight at once. The engine refuses a request
     (``overloaded``) once ``max_waiting_requests`` requests or ``max_waiting_tokens``
-    prompt tokens wait for admission; a batch keeps at most half of the tokens and a
-    quarter of the requests in flight (other clients share the queue: four big batch calls
-    fit it at once), and no more requests than four steps of ``max_num_seqs`` take (enough
-    to keep every step full). It submits the rest as earlier ones finish, whichever they
-    are (a long one does not hold back the others), marked ``continues`` (a draining
-    engine lets the call finish, and the engine refuses them only past twice its bounds)."""
+    prompt tokens wait for admission; a batch keeps at most half of the tokens in flight,
+    and as many requests as a step takes (``max_num_seqs``, within half the queue) or a
+    quarter of the queue, whichever is more (other clients share the queue: four big batch
+    calls fit the default one at once), but no more than four steps take. It submits the
+    rest as earlier ones finish, whichever they are (a long one does not hold back the
+    others), marked ``continues`` (a draining engine lets the call finish, and the engine
+    refuses them only past twice its bounds)."""
 
     def __init__(self, info: EngineInfo) -> None:
         self.max_requests = self.max_tokens = 1 << 62  # an engine that does not say
         if info.max_waiting_requests:
-            quarter = info.max_waiting_requests // 4
-            self.max_requests = max(1, min(quarter, 4 * info.max_num_seqs))
+            queue, seqs = info.max_waiting_requests, info.max_num_seqs
+            # A step's worth at least (within half the queue), else a quarter of the queue.
+            self.max_requests = max(1, min(4 * seqs, max(queue // 4, min(seqs, queue // 2))))
             self.max_tokens = max(1, info.max_waiting_tokens // 2)
         self.inflight: dict[int, int] = {}  # id of a request in flight -> its prompt tokens
         self.tokens = 0

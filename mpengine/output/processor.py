@@ -113,8 +113,9 @@ class OutputProcessor:
         self._by_client: dict[str, set[tuple[str, str]]] = {}
         self._seqs: dict[int, _Sequence] = {}  # open sequences only
         self._dropped: list[int] = []  # seq ids of dropped clients, for the next feedback
-        # Clients found gone (the latest GONE_CLIENTS_KEPT: a gone client never returns
-        # under its id), and those the scheduler has not been told of yet.
+        # Clients found gone (the latest GONE_CLIENTS_KEPT; the client library's connections
+        # never reuse a routing id, a raw client that does greets again first, see
+        # ``client_back``), and those the scheduler has not been told of yet.
         self._gone: OrderedDict[str, None] = OrderedDict()
         self._gone_news: list[str] = []
         self._id_arrays: dict[int, Array] = {}  # token id -> its one-element Array

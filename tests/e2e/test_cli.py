@@ -209,7 +209,8 @@ def test_sizes_take_units_and_vllm_names_work():
     assert parse_bytes("4GiB") == parse_bytes("4G") == parse_bytes("4gb") == 4 << 30
     assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("1.5GiB") == 3 << 29
     assert parse_bytes("4096") == 4096 and parse_bytes("64k") == 65536
-    for bad in ("", "GiB", "4 parsecs", "-1G"):
+    assert parse_bytes("4Gi") == 4 << 30 and parse_bytes("9007199254740993") == 2**53 + 1
+    for bad in ("", "GiB", "4 parsecs", "-1G", "4ib", "9" * 400, "1e9"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_bytes(bad)
     parser = build_parser()

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpengine.client import _Assembly, token_array
+from mpengine.client import _Assembly, _Window, token_array
 from mpengine.errors import InvalidRequestError, RequestFailedError
 from mpengine.protocol import (
     EMPTY_IDS,
     AddRequest,
     Array,
+    EngineInfo,
     Logprobs,
     OutputDelta,
     PoolingParams,
@@ -117,3 +118,22 @@ def test_a_hello_with_no_connection_to_take_it_never_blocks_past_the_deadline():
         if not thread.is_alive():
             dealer.close()
             ctx.term()
+
+
+@pytest.mark.parametrize(
+    ("queue", "seqs", "window"),
+    [
+        (4096, 256, 1024),  # the defaults: a quarter of the queue, four steps
+        (4096, 1024, 1024),  # four big calls still fit the queue
+        (128, 64, 64),  # a lone call fills a step (a quarter would be 32)
+        (64, 2, 8),  # at most four steps
+        (7, 8, 3),  # never past half the queue: the first window is not `continues`
+        (1, 8, 1),
+    ],
+)
+def test_a_batch_call_window(queue: int, seqs: int, window: int) -> None:
+    info = EngineInfo(
+        "e", "m", "t", 100, 4096, 16, 64, seqs, 2048, [2], "processes", 1,
+        max_waiting_requests=queue, max_waiting_tokens=1 << 20,
+    )  # fmt: skip
+    assert _Window(info).max_requests == window
