@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import signal
 import sys
@@ -94,6 +95,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         if name in BYTE_FIELDS:
             kind = parse_bytes  # type: ignore[assignment]
+        elif name == "log_level":  # (--log-level debug, as vLLM's takes it)
+            kind = str.upper  # type: ignore[assignment]
         group.add_argument(
             *flags, dest=name, type=kind, choices=choices, default=_NONE, help=help_text
         )
@@ -303,6 +306,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from mpengine.server.run import serve
 
+    args.model_given = args.model is not _NONE or args.model_tag is not None
     if args.model_tag is not None:
         if args.model is not _NONE and args.model != args.model_tag:
             raise SystemExit(f"mpengine: two models: {args.model_tag!r} and --model {args.model!r}")
@@ -435,7 +439,8 @@ def _terminate_like_interrupt() -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     """Run a command; what users cause (a refused request, an engine that cannot start or
     died, an address nobody serves) is one line on stderr and exit status 1, not a
-    traceback; Ctrl-C stops the engine and exits 130."""
+    traceback; Ctrl-C stops the engine and exits 130; a closed output pipe (``| head``)
+    stops it quietly with 141, as a command killed by SIGPIPE."""
     args = build_parser().parse_args(argv)
     one_shot = args.command in ("generate", "embed")  # serve drains on SIGTERM by itself
     try:
@@ -444,6 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated as exc:
         print(f"mpengine: {exc}", file=sys.stderr)
         return 128 + exc.signum
+    except BrokenPipeError:  # `| head`: the reader has what it wanted (the engine stopped)
+        with contextlib.suppress(OSError):  # (no flush error at exit either)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except InvalidRequestError as exc:
         print(f"mpengine: the engine refused the request: {exc}", file=sys.stderr)
     except (

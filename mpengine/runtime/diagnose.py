@@ -19,6 +19,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -400,7 +401,8 @@ def cmd_top(args: argparse.Namespace) -> int:
                 if args.once:
                     print(screen)
                     return 0
-                print("\x1b[H\x1b[2J" + screen, flush=True)  # home, clear
+                clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else "\n"  # home, clear
+                print(clear + screen, flush=True)
                 before = after
         except KeyboardInterrupt:
             return 0

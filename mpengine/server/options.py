@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -13,7 +14,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--port", type=port, default=8000, help="HTTP port (default: 8000; 0: any free port)"
     )
-    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (default: $MPENGINE_API_KEY, else vLLM's "
+        "$VLLM_API_KEY; a key on the command line is readable by every user in the process "
+        "list: prefer the environment or --api-key-file)",
+    )
     group.add_argument("--api-key-file", default=None, help="read the API key from this file")
     group.add_argument(
         "--served-model-name",
@@ -35,18 +42,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--drain-timeout",
-        type=float,
+        type=seconds,
         default=30.0,
-        help="on SIGTERM/SIGINT, seconds admitted requests may take to finish (default: 30)",
+        help="on SIGTERM/SIGINT, seconds admitted requests may take to finish; a second "
+        "signal stops at once (default: 30)",
     )
     group.add_argument(
         "--stall-timeout",
-        type=float,
+        type=seconds,
         default=60.0,
         help="unhealthy once the engine has work but finished no step for this long (default: 60)",
     )
     group.add_argument(
-        "--uvicorn-log-level", default="warning", help="uvicorn's log level (default: warning)"
+        "--uvicorn-log-level",
+        type=str.lower,
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        default="warning",
+        help="uvicorn's log level (default: warning)",
     )
     group.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file")
     group.add_argument(
@@ -73,6 +85,17 @@ def json_list(text: str) -> list[str]:
         value = None
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings")
+    return value
+
+
+def seconds(text: str) -> float:
+    """argparse type of a duration: finite, not negative."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration in seconds (>= 0)")
     return value
 
 

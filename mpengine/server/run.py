@@ -48,17 +48,11 @@ POLL_S = 0.05
 
 def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     """The body of ``mpengine serve``; the exit status."""
-    api_key = args.api_key
-    if args.api_key_file:
-        try:
-            with open(args.api_key_file) as key_file:
-                api_key = key_file.read().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise SystemExit(f"mpengine: cannot read --api-key-file: {exc}") from None
+    api_key, source = _api_key(args)
     if api_key is not None and not api_key:
         # A check against "" would let in whoever sends an empty bearer token.
-        source = "--api-key-file holds" if args.api_key_file else "--api-key is"
         raise SystemExit(f"mpengine: {source} an empty key: give a key, or none for no auth")
+    _check_names(args)
     _check_tls(args)
     if args.chat_template is not None:
         try:
@@ -91,6 +85,40 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         notifier.close()
 
 
+def _api_key(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The API key (None: no auth) and where it came from: ``--api-key``, ``--api-key-file``,
+    else ``$MPENGINE_API_KEY`` or vLLM's ``$VLLM_API_KEY`` (a vLLM deployment that keeps
+    its key there must not come up open)."""
+    if args.api_key is not None and args.api_key_file:
+        raise SystemExit("mpengine: give --api-key or --api-key-file, not both")
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file) as key_file:
+                return key_file.read().strip(), "--api-key-file holds"
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"mpengine: cannot read --api-key-file: {exc}") from None
+    if args.api_key is not None:
+        return args.api_key, "--api-key is"
+    for name in ("MPENGINE_API_KEY", "VLLM_API_KEY"):
+        if (key := os.environ.get(name)) is not None:
+            return key, f"${name} is"
+    return None, ""
+
+
+def _check_names(args: argparse.Namespace) -> None:
+    """Served model names: none empty or repeated; and ``--served-model-name`` takes every
+    word after it, so ``serve --served-model-name NAME MODEL`` would serve the default model
+    as NAME and MODEL."""
+    names = args.served_model_name or []
+    if any(not name for name in names) or len(set(names)) < len(names):
+        raise SystemExit(f"mpengine: --served-model-name {names}: empty or repeated names")
+    if names and getattr(args, "model_given", True) is False:
+        raise SystemExit(
+            "mpengine: no model given (serve MODEL or --model): --served-model-name takes "
+            f"every word after it ({' '.join(names)}); put MODEL first"
+        )
+
+
 def _check_tls(args: argparse.Namespace) -> None:
     """HTTPS needs both files, and they must load: found out before the model loads."""
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
@@ -104,11 +132,22 @@ def _check_tls(args: argparse.Namespace) -> None:
 
 
 def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket; ``::`` (every IPv6 address) takes IPv4 too, as vLLM's does."""
+    host = host.removeprefix("[").removesuffix("]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    dual = host == "::" and socket.has_dualstack_ipv6()
     try:
-        return socket.create_server((host, port), family=family, backlog=1024)
+        listener = socket.create_server(
+            (host, port), family=family, backlog=1024, dualstack_ipv6=dual
+        )
     except OSError as exc:
         raise SystemExit(f"mpengine: cannot listen on {host}:{port}: {exc}") from None
+    # Accepted connections inherit it (asyncio sets it only on sockets made with proto
+    # IPPROTO_TCP, which create_server's are not): without it a stream on a kept-alive
+    # connection (the openai client's pool) waited ~45 ms for the client's delayed ACK of
+    # the response head before its first events (Nagle), which then came at once.
+    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return listener
 
 
 @contextlib.contextmanager
@@ -212,9 +251,16 @@ async def _serve(
     await state.monitor.poll()
     notifier.ready(state.monitor.status(state.model_name))
     # 3. serve until SIGTERM/SIGINT, a stage's death, or the HTTP server's end
-    stop = asyncio.Event()
+    stop, now = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:  # the first drains, a second stops at once (as uvicorn does)
+        if stop.is_set():
+            logger.warning("a second signal: stopping without waiting for the drain")
+            now.set()
+        stop.set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal)
     interval = min(1.0, notifier.watchdog_interval or 1.0)
     watch = asyncio.create_task(_watch(state.monitor, notifier, state.model_name, interval))
     waits = [asyncio.create_task(stop.wait()), asyncio.create_task(died.wait()), http]
@@ -224,7 +270,13 @@ async def _serve(
     if stop.is_set() and not died.is_set():
         logger.info("draining (at most %g s)", args.drain_timeout)
         notifier.stopping(f"{state.model_name}: draining")
-        await _drain(state, engine, args.drain_timeout)
+        drain = asyncio.create_task(_drain(state, engine, args.drain_timeout))
+        hurry = asyncio.create_task(now.wait())
+        await asyncio.wait([drain, hurry], return_when=asyncio.FIRST_COMPLETED)
+        if not drain.done():
+            drain.cancel()
+            engine.abort_unfinished()
+        hurry.cancel()
     else:
         print(f"mpengine: {state.monitor.dead or 'the HTTP server stopped'}", file=sys.stderr)
         code = 1

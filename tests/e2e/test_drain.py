@@ -49,6 +49,15 @@ def _wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def _health(url: str) -> int:
+    """The status of ``GET /health``."""
+    try:
+        urllib.request.urlopen(url + "/health", timeout=5).close()
+    except urllib.error.HTTPError as error:
+        return error.code
+    return 200
+
+
 def _stream(api: openai.OpenAI, name: str, max_tokens: int, started, outcomes: Outcomes) -> None:
     try:
         stream = api.completions.create(
@@ -93,14 +102,7 @@ def test_sigterm_drains_the_http_server(tmp_path: Path, group: bool) -> None:
             served.proc.send_signal(signal.SIGTERM)
 
         # Draining: health says so and new requests are refused, over HTTP and IPC.
-        def unhealthy() -> bool:
-            try:
-                urllib.request.urlopen(served.url + "/health", timeout=5).close()
-            except urllib.error.HTTPError as error:
-                return error.code == 503
-            return False
-
-        _wait_until(unhealthy, WAIT_S, "/health to report draining")
+        _wait_until(lambda: _health(served.url) == 503, WAIT_S, "/health to report draining")
         with pytest.raises(openai.APIStatusError) as refused:
             api.completions.create(model="tiny", prompt="late", max_tokens=2)
         assert refused.value.status_code == 503 and refused.value.body["code"] == "draining"
@@ -122,6 +124,31 @@ def test_sigterm_drains_the_http_server(tmp_path: Path, group: bool) -> None:
             assert (finishes, num_tokens) == (["length"], SHORT), (name, outcome)
         else:
             assert finishes == ["abort"] and 0 < num_tokens < LONG, (name, outcome)
+
+
+def test_a_second_signal_stops_without_waiting_for_the_drain(tmp_path: Path) -> None:
+    """Ctrl-C twice (as uvicorn and vLLM take it): the drain's 60 s are not waited out; the
+    stream in flight ends with ``abort``."""
+    served = start(tmp_path, "--drain-timeout", "60")
+    try:
+        api = openai.OpenAI(base_url=served.base_url, api_key="-", max_retries=0, timeout=WAIT_S)
+        outcomes, started = Outcomes(), set()
+        thread = threading.Thread(target=_stream, args=(api, "long", LONG, started, outcomes))
+        thread.start()
+        _wait_until(lambda: "long" in started, WAIT_S, "the stream to start")
+        served.proc.send_signal(signal.SIGINT)
+        _wait_until(lambda: _health(served.url) == 503, WAIT_S, "the drain to start")
+        begun = time.monotonic()
+        served.proc.send_signal(signal.SIGINT)
+        assert served.proc.wait(30) == 0, served.log()
+        assert time.monotonic() - begun < 30
+        thread.join(WAIT_S)
+        assert not thread.is_alive()
+    finally:
+        if served.proc.poll() is None:
+            served.stop(signal.SIGKILL)
+    finishes, num_tokens = outcomes.results["long"]
+    assert finishes == ["abort"] and 0 < num_tokens < LONG
 
 
 def _refused(client: mpengine.Client) -> bool:

@@ -151,6 +151,69 @@ def test_unusable_api_keys_fail_in_one_line(tmp_path: Path) -> None:
         assert "Traceback" not in done.stderr
 
 
+def test_serve_flag_mistakes_fail_before_loading(tmp_path: Path) -> None:
+    """Mistakes the command line shows are one line (or argparse's usage error) before the
+    model loads: both key flags, a model swallowed by --served-model-name (it served the
+    default model under the user's names), empty or repeated names, negative timeouts."""
+    (tmp_path / "key").write_text("k\n")
+    for flags, message, status in [
+        (["--api-key", "a", "--api-key-file", str(tmp_path / "key")], "not both", 1),
+        (["--served-model-name", "mine", "tiny-llama"], "put MODEL first", 1),
+        (["tiny", "--served-model-name", "a", "a"], "empty or repeated names", 1),
+        (["tiny", "--served-model-name", ""], "empty or repeated names", 1),
+        (["--drain-timeout", "-5"], "not a duration", 2),
+        (["--stall-timeout", "nan"], "not a duration", 2),
+        (["--uvicorn-log-level", "bogus"], "invalid choice", 2),
+    ]:
+        cmd = [sys.executable, "-m", "mpengine.cli", "serve", "--port", "0", *flags]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert done.returncode == status and message in done.stderr, (flags, done.stderr)
+        assert "Traceback" not in done.stderr and "loaded" not in done.stderr
+
+
+def test_the_api_key_may_come_from_the_environment(tmp_path: Path) -> None:
+    """vLLM's VLLM_API_KEY (or MPENGINE_API_KEY): a vLLM deployment keeping its key in the
+    environment came up open."""
+    with serving(tmp_path, env={"VLLM_API_KEY": "from-env"}) as served:
+        for key, status in (("wrong", 401), ("from-env", 200)):
+            request = urllib.request.Request(
+                served.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}
+            )
+            try:
+                urllib.request.urlopen(request, timeout=30).close()
+                got = 200
+            except urllib.error.HTTPError as error:
+                got = error.code
+            assert got == status, key
+
+
+def test_http_connections_send_without_nagle_delay() -> None:
+    """Accepted connections have TCP_NODELAY: a stream on a kept-alive connection waited
+    ~45 ms for the client's delayed ACK of the response head before its first events."""
+    from mpengine.server.run import _listen
+
+    with (
+        _listen("127.0.0.1", 0) as listener,
+        socket.create_connection(listener.getsockname(), timeout=10),
+    ):
+        accepted, _ = listener.accept()
+        with accepted:
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="no dual-stack IPv6 here")
+def test_every_ipv6_address_takes_ipv4_too() -> None:
+    """``--host ::`` listens on IPv4 as well (as vLLM's server does); ``[::1]`` is a host."""
+    from mpengine.server.run import _listen
+
+    with _listen("::", 0) as listener:
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            pass
+    with _listen("[::1]", 0) as listener:
+        assert listener.family == socket.AF_INET6
+
+
 def test_https_with_a_key_and_certificate(tmp_path: Path) -> None:
     openssl = shutil.which("openssl")
     if openssl is None:
