@@ -1198,11 +1198,11 @@ class _AsyncRequest(_Request):
 class _Window:
     """The requests of one batch call in flight at once. The engine refuses a request
     (``overloaded``) once ``max_waiting_requests`` requests or ``max_waiting_tokens``
-    prompt tokens wait for admission; a batch keeps at most half of the tokens in flight,
-    and as many requests as a step takes (``max_num_seqs``, within half the queue) or a
-    quarter of the queue, whichever is more (other clients share the queue: four big batch
-    calls fit the default one at once), but no more than four steps take. It submits the
-    rest as earlier ones finish, whichever they are (a long one does not hold back the
+    prompt tokens wait for admission; a batch keeps at most a quarter of the tokens in
+    flight, and as many requests as a step takes (``max_num_seqs``, within half the queue)
+    or a quarter of the queue, whichever is more (other clients share the queue: four big
+    batch calls fit the default one at once), but no more than four steps take. It submits
+    the rest as earlier ones finish, whichever they are (a long one does not hold back the
     others), marked ``continues`` (a draining engine lets the call finish, and the engine
     refuses them only past twice its bounds)."""
 
@@ -1212,7 +1212,7 @@ class _Window:
             queue, seqs = info.max_waiting_requests, info.max_num_seqs
             # A step's worth at least (within half the queue), else a quarter of the queue.
             self.max_requests = max(1, min(4 * seqs, max(queue // 4, min(seqs, queue // 2))))
-            self.max_tokens = max(1, info.max_waiting_tokens // 2)
+            self.max_tokens = max(1, info.max_waiting_tokens // 4)
         self.inflight: dict[int, int] = {}  # id of a request in flight -> its prompt tokens
         self.tokens = 0
         self.released = 0  # requests that finished and left the window
