@@ -63,6 +63,10 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 VLLM_ALIASES = {"prefix_caching": "--enable-prefix-caching"}
 
 
+def _dtype(text: str) -> str:
+    return {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(text, text)
+
+
 def parse_bytes(text: str) -> int:
     """``"4GiB"``, ``"4G"``, ``"4Gi"``, ``"4gb"``, ``"512MiB"``, ``"1.5GiB"`` or
     ``"4294967296"``: whole bytes (units are binary)."""
@@ -97,6 +101,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kind = parse_bytes  # type: ignore[assignment]
         elif name == "log_level":  # (--log-level debug, as vLLM's takes it)
             kind = str.upper  # type: ignore[assignment]
+        elif name == "dtype":  # vLLM's spellings too
+            kind = _dtype  # type: ignore[assignment]
         group.add_argument(
             *flags, dest=name, type=kind, choices=choices, default=_NONE, help=help_text
         )
@@ -120,9 +126,30 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     if (token := auth_token_from_args(args)) is not None:
         values["auth_token"] = token
     try:
-        return EngineConfig.from_kwargs(**values)
+        config = EngineConfig.from_kwargs(**values)
     except (msgspec.ValidationError, ValueError) as exc:
-        raise SystemExit(f"mpengine: invalid engine configuration: {exc}") from None
+        # Name the flag, not the config field's path ("at `$.async_depth`").
+        message = re.sub(r"`\$\.(\w+)`", lambda m: "--" + m[1].replace("_", "-"), str(exc))
+        raise SystemExit(f"mpengine: invalid engine configuration: {message}") from None
+    for note in _ignored(values, config):
+        print(f"mpengine: note: {note}", file=sys.stderr)
+    return config
+
+
+def _ignored(given: dict[str, object], config: EngineConfig) -> list[str]:
+    """Flags given that have no effect with the others (vLLM users pass some by habit)."""
+    notes = []
+    if "swap_space" in given and config.preemption_mode != "swap":
+        notes.append("--swap-space has no effect without --preemption-mode swap")
+    if "async_depth" in given and config.runtime == "serial":
+        notes.append("--async-depth has no effect with --runtime serial (it plans each step)")
+    if config.device == "cuda" and "kv_cache_bytes" in given:
+        notes.append("--kv-cache-bytes has no effect on CUDA (--gpu-memory-utilization sizes it)")
+    if config.device == "cpu":
+        for name in ("gpu_memory_utilization", "enforce_eager"):
+            if name in given:
+                notes.append(f"--{name.replace('_', '-')} has no effect on the CPU")
+    return notes
 
 
 # The CLI's own defaults of the fields a model's generation_config.json may set: used when
@@ -159,9 +186,24 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--n", type=int, default=1, help="samples per prompt")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    group.add_argument("--repetition-penalty", type=float, help=_MODEL_DEFAULT.strip() % 1)
-    group.add_argument("--presence-penalty", type=float, default=0.0)
-    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument(
+        "--repetition-penalty",
+        type=float,
+        help="divides the positive logits (multiplies the negative) of tokens in the prompt "
+        "or output" + _MODEL_DEFAULT % 1,
+    )
+    group.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtracted from the logit of every token already generated (default: 0)",
+    )
+    group.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtracted once per earlier occurrence in the output (default: 0)",
+    )
     group.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token")
 
 
@@ -400,7 +442,12 @@ def build_parser() -> argparse.ArgumentParser:
         "duty, each stage's ms per step, its waits on each ring and the lockstep counter)",
     )
     stats.add_argument("address", help="the engine's request address (ipc://... or tcp://...)")
-    stats.add_argument("--timeout", type=positive_float, default=10.0)
+    stats.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=10.0,
+        help="seconds to wait for the engine (default: 10)",
+    )
     stats.add_argument("--auth-token", default=None, help="the engine's auth token, if any")
     stats.add_argument("--auth-token-file", default=None, help=TOKEN_FILE_HELP)
     stats.set_defaults(func=cmd_stats)

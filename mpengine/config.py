@@ -209,7 +209,8 @@ HELP = {
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "token budget of one step (longer prompts are chunked)",
     "max_model_len": "longest prompt + output (default: the model's maximum positions)",
-    "dtype": "model and KV cache dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+    "dtype": "model and KV cache dtype (auto: float32 on the CPU; on CUDA a float16 or "
+    "bfloat16 checkpoint's own, else bfloat16; vLLM's half and float are float16 and float32)",
     "device": "where the model runs",
     "num_threads": "torch threads in the executor (default: on the CPU, one or all cores, "
     "whichever runs each size of step faster, timed as it runs; all cores but one in the "

@@ -1,8 +1,9 @@
-"""Debug switches: the only environment variables the engine reads (in its stages).
+"""The engine's own environment variables (besides those of its tools and of systemd,
+below): debug switches, the cache, and the command line's secrets.
 
-They exist for tests and diagnosis, never for behaviour a user should configure (that is
-``EngineConfig``). Stages inherit the launcher's environment, so a test sets them before
-``mpengine.launch``.
+The debug switches exist for tests and diagnosis, never for behaviour a user should
+configure (that is ``EngineConfig``). Stages inherit the launcher's environment, so a test
+sets them before ``mpengine.launch``.
 
 - ``MPENGINE_FAULT_STEPS``: comma-separated step numbers whose forward pass raises in the
   executor (every sequence of those steps fails; the engine must keep serving the rest).
@@ -16,9 +17,13 @@ One more says where things built on this machine are kept:
   without it. Files there (and the engine's
   other files that readers may open at any time) are written with ``write_atomically``.
 
-And the executor honours two of its tools' own: ``CC`` (the C compiler that builds the CPU
-attention kernels, default ``cc``) and ``TRITON_INTERPRET=1`` (Triton's interpreter, which
-lets the triton backend run on a CPU, for tests).
+The command line reads ``MPENGINE_AUTH_TOKEN`` (the engine's auth token) and ``mpengine
+serve`` ``MPENGINE_API_KEY`` (else vLLM's ``VLLM_API_KEY``), so secrets stay out of the
+process list. The executor honours its tools' own: ``CC`` (the C compiler that builds the
+CPU attention kernels, default ``cc``), ``TRITON_INTERPRET=1`` (Triton's interpreter, which
+lets the triton backend run on a CPU, for tests), OpenMP's ``OMP_WAIT_POLICY`` /
+``GOMP_SPINCOUNT`` and Hugging Face's ``HF_HOME`` / ``HF_HUB_CACHE``; ``mpengine serve``
+speaks to systemd through ``NOTIFY_SOCKET`` and ``WATCHDOG_USEC``.
 """
 
 from __future__ import annotations

@@ -476,7 +476,10 @@ class Engine:
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise EngineStartError(f"stages not ready in time: {sorted(pending)}")
+                raise EngineStartError(
+                    f"stages not ready within startup_timeout ({self.config.startup_timeout:g} "
+                    f"s, --startup-timeout): {sorted(pending)}"
+                )
             conns = {self.processes[s].conn: s for s in pending}
             sentinels = {self.processes[s].sentinel: s for s in pending}
             for ready in wait([*conns, *sentinels], remaining):

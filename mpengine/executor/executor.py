@@ -139,6 +139,13 @@ class Executor:
         self.max_model_len = self.loaded.max_model_len
         capacity = self.num_blocks * config.block_size
         if self.num_blocks and capacity < self.max_model_len:
+            if config.max_model_len is not None:  # the user's own: not changed behind them
+                raise ValueError(
+                    f"max_model_len {config.max_model_len} is larger than the KV cache holds "
+                    f"({capacity} tokens, {self.num_blocks} blocks of {config.block_size}): "
+                    "give the cache more memory (kv_cache_bytes, gpu_memory_utilization) or "
+                    "lower max_model_len"
+                )
             # A sequence longer than the whole cache could never run: requests asking for
             # one (no max_tokens given means "up to max_model_len") were refused.
             logger.warning(

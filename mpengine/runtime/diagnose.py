@@ -318,7 +318,7 @@ def add_stacks_args(parser: argparse.ArgumentParser) -> None:
         "--timeout",
         type=positive_float,
         default=DUMP_TIMEOUT_S,
-        help="seconds to wait for each dump",
+        help=f"seconds to wait for each dump (default: {DUMP_TIMEOUT_S:g})",
     )
 
 
@@ -338,13 +338,19 @@ def cmd_stacks(args: argparse.Namespace) -> int:
 def add_top_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("address", help="the engine's request address (ipc://... or tcp://...)")
     parser.add_argument(
-        "--interval", type=positive_float, default=1.0, help="seconds between refreshes"
+        "--interval",
+        type=positive_float,
+        default=1.0,
+        help="seconds between refreshes (default: 1)",
     )
     parser.add_argument("--once", action="store_true", help="print one screen and exit")
     parser.add_argument("--auth-token", default=None, help="the engine's auth token, if any")
     parser.add_argument("--auth-token-file", default=None, help=TOKEN_FILE_HELP)
     parser.add_argument(
-        "--timeout", type=positive_float, default=10.0, help="seconds to wait for the engine"
+        "--timeout",
+        type=positive_float,
+        default=10.0,
+        help="seconds to wait for the engine (default: 10)",
     )
 
 

@@ -223,6 +223,22 @@ def test_sizes_take_units_and_vllm_names_work():
     assert config_from_args(args).prefix_caching is False
 
 
+def test_vllm_spellings_and_flags_without_effect(capsys):
+    """--dtype half, lower-case --log-level; a flag the others make pointless is named."""
+    parser = build_parser()
+    args = ["generate", "--dtype", "half", "--log-level", "debug", "--swap-space", "4"]
+    config = config_from_args(
+        parser.parse_args([*args, "--runtime", "serial", "--async-depth", "1"])
+    )
+    assert config.dtype == "float16" and config.log_level == "DEBUG"
+    notes = capsys.readouterr().err
+    assert "--swap-space has no effect without --preemption-mode swap" in notes
+    assert "--async-depth has no effect with --runtime serial" in notes
+    config_from_args(parser.parse_args(["generate", "--swap-space", "4GiB"]))
+    with pytest.raises(SystemExit, match="at --async-depth"):  # the flag, not `$.async_depth`
+        config_from_args(parser.parse_args(["generate", "--async-depth", "3"]))
+
+
 def test_a_swap_space_that_holds_no_block_is_refused_at_start():
     with pytest.raises(mpengine.EngineStartError, match="swap_space \\(4 bytes\\) holds no KV"):
         mpengine.launch(model="tiny", preemption_mode="swap", swap_space=4, log_level="ERROR")
@@ -234,7 +250,7 @@ def test_bad_flags_fail_clearly():
     assert done.returncode != 0 and "temperature" in done.stderr
     cmd = [sys.executable, "-m", "mpengine.cli", "generate", "--async-depth", "3"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and "async_depth" in done.stderr
+    assert done.returncode != 0 and "--async-depth" in done.stderr
     cmd = [sys.executable, "-m", "mpengine.cli", "serve", "--port", "99999"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "99999 is not a port" in done.stderr

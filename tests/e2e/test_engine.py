@@ -347,3 +347,6 @@ def test_a_cache_smaller_than_the_context_lowers_max_model_len(start_engine):
         assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 128
         with pytest.raises(mpengine.InvalidRequestError, match="max_model_len"):
             c.generate(list(range(5, 140)), SamplingParams(max_tokens=1))
+    # A max_model_len the user gave is not lowered behind them: refused at start, as vLLM.
+    with pytest.raises(mpengine.EngineStartError, match="max_model_len 1024 is larger than"):
+        start_engine(model="tiny", num_gpu_blocks_override=8, max_model_len=1024)
