@@ -287,3 +287,19 @@ def test_unknown_model_path_fails_clearly(tmp_path: Path, name: str) -> None:
             patch.setenv(key, value)
         with pytest.raises(FileNotFoundError, match="not a Hugging Face hub model"):
             resolve_model(name)
+
+
+def test_a_model_path_that_is_no_directory_fails_before_any_stage_starts(
+    tmp_path: Path,
+) -> None:
+    """Found by the launcher at once; the executor found it after the stages' start-up."""
+    import mpengine
+
+    for flags, message in [
+        ({"model": str(tmp_path / "nosuch")}, "model directory"),
+        ({"model": "tiny", "tokenizer": "./no/tokenizer"}, "tokenizer directory"),
+    ]:
+        start = time.monotonic()
+        with pytest.raises(mpengine.EngineStartError, match=f"{message} .* does not exist"):
+            mpengine.launch(**flags)
+        assert time.monotonic() - start < 3
