@@ -143,8 +143,8 @@ class Executor:
                 raise ValueError(
                     f"max_model_len {config.max_model_len} is larger than the KV cache holds "
                     f"({capacity} tokens, {self.num_blocks} blocks of {config.block_size}): "
-                    "give the cache more memory (kv_cache_bytes, gpu_memory_utilization) or "
-                    "lower max_model_len"
+                    "give the cache more memory (kv_cache_bytes, gpu_memory_utilization, "
+                    "num_gpu_blocks_override) or lower max_model_len"
                 )
             # A sequence longer than the whole cache could never run: requests asking for
             # one (no max_tokens given means "up to max_model_len") were refused.

@@ -81,6 +81,10 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     except KeyboardInterrupt:  # between start-up and the loop's own handlers
         return 0
     finally:
+        # The loop is closed and its handlers gone: a signal now (a third Ctrl-C) would
+        # cut the stages' stop short; it is bounded, so let it finish.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
         engine.shutdown()
         notifier.close()
 
@@ -97,11 +101,12 @@ def _api_key(args: argparse.Namespace) -> tuple[str | None, str]:
                 return key_file.read().strip(), "--api-key-file holds"
         except (OSError, UnicodeDecodeError) as exc:
             raise SystemExit(f"mpengine: cannot read --api-key-file: {exc}") from None
+    # Stripped like the file's (a secret mounted from a file often ends in a newline).
     if args.api_key is not None:
-        return args.api_key, "--api-key is"
+        return args.api_key.strip(), "--api-key is"
     for name in ("MPENGINE_API_KEY", "VLLM_API_KEY"):
         if (key := os.environ.get(name)) is not None:
-            return key, f"${name} is"
+            return key.strip(), f"${name} is"
     return None, ""
 
 
@@ -254,7 +259,7 @@ async def _serve(
     stop, now = asyncio.Event(), asyncio.Event()
 
     def on_signal() -> None:  # the first drains, a second stops at once (as uvicorn does)
-        if stop.is_set():
+        if stop.is_set() and not now.is_set():
             logger.warning("a second signal: stopping without waiting for the drain")
             now.set()
         stop.set()

@@ -142,6 +142,7 @@ def test_unusable_api_keys_fail_in_one_line(tmp_path: Path) -> None:
     for flags, message in [
         (["--api-key-file", str(tmp_path / "empty.key")], "--api-key-file holds an empty key"),
         (["--api-key", ""], "--api-key is an empty key"),
+        (["--api-key", " \n"], "--api-key is an empty key"),  # (keys are stripped)
         (["--api-key-file", str(tmp_path / "missing")], "cannot read --api-key-file"),
         (["--api-key-file", str(tmp_path)], "cannot read --api-key-file"),
     ]:
