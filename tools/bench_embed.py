@@ -249,6 +249,7 @@ def run_model(name: str, args: argparse.Namespace) -> tuple[list[dict], dict[str
                 )
         if not rows:
             raise SystemExit("--runtimes needs at least one engine runtime")
+        engines = {runtime: engine_record(row.engine) for runtime, row in rows.items()}
         # The engines' own device, dtype, pooling, and the executor's thread count.
         first = rows.get("processes", next(iter(rows.values())))
         info = first.engine.model
@@ -312,7 +313,6 @@ def run_model(name: str, args: argparse.Namespace) -> tuple[list[dict], dict[str
                     flush=True,
                 )
     finally:
-        engines = {runtime: engine_record(row.engine) for runtime, row in rows.items()}
         for row in rows.values():
             row.close()
 

@@ -180,8 +180,10 @@ class OutputProcessor:
     def client_back(self, client_id: str) -> None:
         """A connection greeted under ``client_id``: whatever was found gone under it, this
         one is a new client (whose requests come after its greeting)."""
-        if self._gone.pop(client_id, False) is None and client_id in self._gone_news:
-            self._gone_news.remove(client_id)
+        if client_id in self._gone:
+            del self._gone[client_id]
+            if client_id in self._gone_news:  # (not told yet: the scheduler never will be)
+                self._gone_news.remove(client_id)
 
     # -- the step ------------------------------------------------------------------------
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import select
 import socket
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from mpengine.client import Client
 from mpengine.protocol import EngineStats
@@ -51,3 +55,20 @@ def free_port_pair(host: str = "127.0.0.1") -> int:
                 continue
             return port
     raise RuntimeError(f"no two consecutive free ports on {host}")
+
+
+@contextlib.contextmanager
+def client_process(script: str, ready: str, timeout: float = 60.0) -> Iterator[None]:
+    """Run ``script`` (a client of some engine) in a Python process of its own until it
+    prints ``ready``, then the body; the process is killed when the body ends (a client
+    that dies without closing). Raises AssertionError if ``ready`` does not come in
+    ``timeout`` seconds."""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        readable, _, _ = select.select([proc.stdout], [], [], timeout)
+        line = proc.stdout.readline().strip() if readable else b""
+        assert line == ready.encode(), f"the client process printed {line!r}, not {ready!r}"
+        yield
+    finally:
+        proc.kill()
+        proc.wait(10)

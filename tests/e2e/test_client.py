@@ -47,7 +47,7 @@ from mpengine.protocol import (
     client_request_decoder,
     encoder,
 )
-from mpengine.testing.engine import free_port_pair, wait_idle
+from mpengine.testing.engine import client_process, free_port_pair, wait_idle
 
 PROMPT = "The old lighthouse keeper looked at the sea and said"
 LONG = SamplingParams(max_tokens=2000, temperature=1.0, ignore_eos=True)
@@ -789,13 +789,8 @@ def test_a_client_that_comes_back_under_its_name_is_served(engine, client):
         "next(s); print('streaming', flush=True)\n"
         "for _ in s: pass\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        assert ready and proc.stdout.readline().strip() == b"streaming"
-    finally:
-        proc.kill()
-        proc.wait(10)
+    with client_process(script, "streaming"):
+        pass
     assert_idle(client)  # the old connection was found gone and its request aborted
     with mpengine.Client(engine.address, client_id="service", timeout=10) as again:
         out = again.generate(PROMPT, SamplingParams(max_tokens=3), timeout=30)

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import select
-import subprocess
-import sys
 
 import msgspec
 import pytest
@@ -15,7 +12,7 @@ import zmq
 
 import mpengine
 from mpengine.protocol import AddRequest, Array, SamplingParams, encoder
-from mpengine.testing.engine import wait_idle, wait_until
+from mpengine.testing.engine import client_process, wait_idle, wait_until
 
 PROMPT = "The old lighthouse keeper looked at the sea and said"
 
@@ -140,14 +137,8 @@ def test_client_disconnect_frees_every_block(engine, client):
         "next(s); print('streaming', flush=True)\n"
         "for _ in s: pass\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        assert ready and proc.stdout.readline().strip() == b"streaming"
+    with client_process(script, "streaming"):
         assert client.stats().num_running == 1
-    finally:
-        proc.kill()
-        proc.wait(10)
     stats = wait_idle(client, timeout=20)
     assert stats.num_free_blocks == stats.num_blocks
 
@@ -168,15 +159,9 @@ def test_dead_client_queue_is_dropped(engine, client):
         "for _ in s: pass\n"
     )
     before = client.stats()
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        assert ready and proc.stdout.readline().strip() == b"queued"
+    with client_process(script, "queued"):
         stats = wait_until(client, lambda s: s.num_waiting == 6, timeout=30)
         assert stats.num_running == 1
-    finally:
-        proc.kill()
-        proc.wait(10)
     after = wait_idle(client, timeout=30)
     assert after.num_free_blocks == after.num_blocks
     assert after.aborted - before.aborted == 7
