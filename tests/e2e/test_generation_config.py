@@ -12,8 +12,8 @@ import pytest
 
 from mpengine import SamplingParams
 from mpengine.executor.model_loader import sampling_defaults
+from mpengine.models.resolve import resolve_model
 from mpengine.server.schemas import ChatCompletionRequest, CompletionRequest
-from mpengine.testing.tiny import resolve_model
 
 QWEN3 = {  # what Qwen3's generation_config.json says, beside fields that are not sampling's
     "bos_token_id": 151643,

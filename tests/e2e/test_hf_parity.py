@@ -19,9 +19,9 @@ import random
 import pytest
 import torch
 
+from mpengine.models.resolve import resolve_model
 from mpengine.protocol import SamplingParams
 from mpengine.testing.engine import wait_idle
-from mpengine.testing.tiny import resolve_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import mpengine
 from mpengine import SamplingParams
+from mpengine.models.resolve import resolve_model
 from mpengine.protocol import EngineStats
 from mpengine.testing.engine import wait_idle
-from mpengine.testing.tiny import resolve_model
 from tests.e2e.test_server_cli import Served, serving
 
 KEY = "test-key"

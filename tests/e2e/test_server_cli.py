@@ -280,7 +280,7 @@ def test_chat_template_flag_replaces_the_models(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["testorg/not-cached", "./not/a/dir"])
 def test_unknown_model_path_fails_clearly(tmp_path: Path, name: str) -> None:
-    from mpengine.testing.tiny import resolve_model
+    from mpengine.models.resolve import resolve_model
 
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     with pytest.MonkeyPatch.context() as patch:

@@ -18,10 +18,10 @@ import numpy as np
 import openai
 import pytest
 
+from mpengine.models.resolve import resolve_model
 from mpengine.protocol import PoolingParams
 from mpengine.server.embeddings import encode
 from mpengine.server.schemas import EmbeddingRequest
-from mpengine.testing.tiny import resolve_model
 from tests.e2e.test_server import KEY, REQUEST_TIMEOUT_S, _raw_post, http
 from tests.e2e.test_server_cli import Served, serving
 

@@ -22,7 +22,7 @@ from mpengine.executor.gpu_memory import (
 )
 from mpengine.executor.kv_cache import KVCacheSpec
 from mpengine.executor.model_loader import load_model
-from mpengine.testing.tiny import resolve_model
+from mpengine.models.resolve import resolve_model
 
 
 def test_budget_is_a_share_of_the_total() -> None:

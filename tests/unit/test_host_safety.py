@@ -20,7 +20,6 @@ import pytest
 import zmq
 
 import mpengine
-from mpengine.executor.model_loader import resolve_model_path
 from mpengine.launch import (
     STAGE_ENTRY,
     EngineStartError,
@@ -30,6 +29,7 @@ from mpengine.launch import (
     private_dir,
     sweep_stale_runtime_dirs,
 )
+from mpengine.models.resolve import resolve_model
 from mpengine.runtime.entry import GOMP_SPINCOUNT, failure_message, openmp_defaults
 from mpengine.testing import tiny
 from shm.segment import pid_namespace
@@ -56,11 +56,10 @@ def test_builtin_name_wins_over_a_directory_in_the_cwd(
     monkeypatch.setattr(tiny, "cache_root", lambda: tmp_path / "cache")
     monkeypatch.setattr(tiny, "model_spec", lambda arch, preset: _Digest())
     built.mkdir(parents=True)  # already "built": resolve_model returns it without building
-    assert tiny.resolve_model("tiny") == str(built)
-    assert resolve_model_path("tiny") == str(built)
+    assert resolve_model("tiny") == str(built)
     # Written as a path, the local directory is what it means.
-    assert tiny.resolve_model("./tiny") == "./tiny"
-    assert tiny.resolve_model(str(tmp_path / "tiny")) == str(tmp_path / "tiny")
+    assert resolve_model("./tiny") == "./tiny"
+    assert resolve_model(str(tmp_path / "tiny")) == str(tmp_path / "tiny")
 
 
 class _Digest:
@@ -71,7 +70,7 @@ class _Digest:
 def test_tilde_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "m").mkdir()
-    assert tiny.resolve_model("~/m") == str(tmp_path / "m")
+    assert resolve_model("~/m") == str(tmp_path / "m")
 
 
 def test_unknown_name_names_the_builtins_even_if_a_directory_exists(
@@ -80,11 +79,11 @@ def test_unknown_name_names_the_builtins_even_if_a_directory_exists(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mymodel").mkdir()
     with pytest.raises(ValueError, match="built-in models") as info:
-        tiny.resolve_model("mymodel")
+        resolve_model("mymodel")
     assert all(name in str(info.value) for name in tiny.KNOWN_MODELS)
     assert "./mymodel" in str(info.value)  # how to say "the directory"
     with pytest.raises(FileNotFoundError, match="no-such-dir"):
-        tiny.resolve_model("./no-such-dir")
+        resolve_model("./no-such-dir")
 
 
 # -- 4: the ipc directory ---------------------------------------------------------------

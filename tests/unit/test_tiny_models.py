@@ -20,8 +20,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from mpengine.models.resolve import resolve_model
 from mpengine.testing import tiny
-from mpengine.testing.tiny import KNOWN_MODELS, build, greedy_margins, resolve_model
+from mpengine.testing.tiny import KNOWN_MODELS, build, greedy_margins
 
 CAUSAL_ARCHS = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
 ALL_ARCHS = {**CAUSAL_ARCHS, "bert": "BertModel"}
@@ -224,26 +225,6 @@ def test_resolve_model_builds_once_into_the_cache(
     assert resolve_model("tiny-llama") == str(path)
     assert resolve_model(str(path)) == str(path)  # a directory passes through
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [path.name]  # no temps
-
-
-def test_resolve_model_uses_the_winner_of_a_race(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("MPENGINE_CACHE_DIR", str(tmp_path))
-    real_build = tiny.build
-    final: list[Path] = []
-
-    def racing_build(arch: str, out_dir: Path, preset: str = "tiny") -> Path:
-        # Another process finishes first, while this one is still building.
-        name = Path(out_dir).name[1:].split(".")[0]
-        final.append(real_build(arch, tmp_path / "models" / name, preset))
-        (final[0] / "winner").touch()
-        return real_build(arch, out_dir, preset)
-
-    monkeypatch.setattr(tiny, "build", racing_build)
-    path = Path(resolve_model("tiny-gpt2"))
-    assert path == final[0] and (path / "winner").exists()
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [path.name]
 
 
 def test_unknown_name_lists_known_models() -> None:
