@@ -5,6 +5,9 @@
         out = client.generate("Hello", SamplingParams(max_tokens=16, temperature=0))
         print(out.text)
 
+    with mpengine.launch(model="smollm2-135m") as engine:   # through the chat template
+        reply = engine.client().chat([{"role": "user", "content": "Hi"}])
+
     with mpengine.launch(model="tiny-bert") as engine:      # an embedding model
         vectors = [o.embedding for o in engine.client().embed_many(["a", "b"])]
 
@@ -48,9 +51,9 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import msgspec
 import numpy as np
@@ -92,9 +95,13 @@ from mpengine.protocol import (
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
+    from mpengine.chat_template import ChatTemplate
+
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+# A conversation: OpenAI's messages, ``{"role": "user", "content": "Hi"}``...
+Conversation = Sequence[Mapping[str, Any]]
 Sink = Callable[[Any], None]  # receives a delta or reply, or an exception to raise
 T = TypeVar("T")
 
@@ -1271,6 +1278,37 @@ def _per_prompt(params: Any, kind: type, count: int) -> list:
     return list(params)
 
 
+@dataclass(frozen=True, slots=True)
+class _ChatOptions:
+    """How ``chat`` renders a conversation (its keyword arguments, as vLLM's ``LLM.chat``)."""
+
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+def _messages_of(conversation: object) -> list:
+    """The messages of a conversation, as far as they are dicts (to measure their text)."""
+    if not isinstance(conversation, Sequence):
+        return []
+    return [m for m in conversation if isinstance(m, Mapping)]
+
+
+def _conversations(messages: Conversation | Sequence[Conversation]) -> tuple[list, bool]:
+    """The conversations of ``chat``'s argument (one, or a batch: a list of them), and
+    whether it was a batch."""
+    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence):
+        raise InvalidRequestError(
+            "messages: a list of {'role': ..., 'content': ...} dicts, or a list of such lists"
+        )
+    batch = bool(messages) and all(
+        isinstance(m, Sequence) and not isinstance(m, str | bytes) for m in messages
+    )
+    return (list(messages) if batch else [messages]), batch
+
+
 class _ClientBase:
     def __init__(
         self,
@@ -1285,6 +1323,8 @@ class _ClientBase:
         )
         self._timeout = timeout
         self._tokenizer: Tokenizer | None = None
+        self._chat_files: dict[str, bytes] = {}  # what the engine shared of its chat template
+        self._chat_templates: dict[str | None, ChatTemplate] = {}  # by template (None: model's)
         self._tokenizer_lock = threading.Lock()
         self._tokenizer_fetch: asyncio.Future | None = None  # AsyncClient's fetch under way
         _after_fork.add(self)
@@ -1317,12 +1357,7 @@ class _ClientBase:
         per client, so this works from any host), special tokens added as the model's
         tokenizer frames an input. ``max_length`` truncates the text's tokens so that the
         framed whole fits (as ``transformers``' ``truncation=True``)."""
-        if self._tokenizer is None:
-            with self._tokenizer_lock:
-                if self._tokenizer is None:
-                    reply = _query(self._conn, TokenizerQuery, self._timeout)
-                    self._tokenizer = self._load_tokenizer(reply)
-        tokenizer = self._tokenizer
+        tokenizer = self._fetch_tokenizer()
         if max_length is None:
             return encode_texts(tokenizer, [text])[0]
         (encoding,) = tokenizer.encode_batch([text], add_special_tokens=False)
@@ -1331,13 +1366,64 @@ class _ClientBase:
             encoding.truncate(room)
         return tokenizer.post_process(encoding).ids
 
-    @staticmethod
-    def _load_tokenizer(reply: TokenizerFile) -> Tokenizer:
+    def _fetch_tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer, fetched on first use."""
+        if self._tokenizer is None:
+            with self._tokenizer_lock:
+                if self._tokenizer is None:
+                    self._adopt(_query(self._conn, TokenizerQuery, self._timeout))
+        return self._tokenizer  # type: ignore[return-value]
+
+    def _adopt(self, reply: TokenizerFile) -> None:
+        """Keep what the engine shared: its tokenizer and its chat template's files (one
+        fetch serves both: the engine answers a client's tokenizer queries a few times)."""
         from tokenizers import Tokenizer
 
+        self._chat_files = dict(reply.chat_files)
+        if self._tokenizer is not None:
+            return
         if not reply.data:
             raise RuntimeError("the engine has no tokenizer.json to share: send token ids")
-        return as_transformers_encodes(Tokenizer.from_str(reply.data.decode()))
+        self._tokenizer = as_transformers_encodes(Tokenizer.from_str(reply.data.decode()))
+
+    def _chat_template(self, source: str | None) -> ChatTemplate:
+        """The model's chat template, or ``source`` (a template, or a file holding one);
+        compiled once per client."""
+        from mpengine.chat_template import ChatTemplate, load_chat_template
+
+        template = self._chat_templates.get(source)
+        if template is None:
+            try:
+                text = load_chat_template(source) if source is not None else None
+            except ValueError as exc:
+                raise InvalidRequestError(f"chat_template: {exc}") from None
+            template = ChatTemplate.from_files(self._chat_files, text)
+            if len(self._chat_templates) >= 8:  # (templates given per call: keep a few)
+                self._chat_templates.clear()
+            self._chat_templates[source] = template
+        return template
+
+    def _chat_ids(self, conversation: Conversation, options: _ChatOptions) -> list[int]:
+        """The token ids of ``conversation`` rendered by the chat template (which holds the
+        special tokens: none are added, as vLLM's ``LLM.chat`` encodes it)."""
+        from mpengine.chat_template import ChatTemplateError
+
+        tokenizer = self._fetch_tokenizer()
+        template = self._chat_template(options.chat_template)
+        extra = dict(options.chat_template_kwargs or {})
+        if options.tools is not None:
+            extra.setdefault("tools", options.tools)
+        # As vLLM, chat_template_kwargs may say add_generation_prompt too, and win.
+        prompted = bool(extra.pop("add_generation_prompt", options.add_generation_prompt))
+        continued = options.continue_final_message
+        try:
+            if not conversation:
+                raise ChatTemplateError("messages is empty: give at least one message")
+            messages = template.messages(conversation)
+            text = template.render(messages, prompted and not continued, continued, extra)
+        except ChatTemplateError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        return encode_texts(tokenizer, [text], add_special_tokens=False)[0]
 
     def _request(
         self,
@@ -1493,6 +1579,123 @@ class Client(_ClientBase):
         )
         return [r.assembly.output for r in requests]
 
+    def apply_chat_template(
+        self,
+        messages: Conversation,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The token ids ``chat`` sends for one conversation (arguments as for ``chat``)."""
+        options = _ChatOptions(
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template_kwargs,
+            tools,
+        )
+        return self._chat_ids(messages, options)
+
+    @overload
+    def chat(
+        self,
+        messages: Conversation,
+        params: SamplingParams | None = None,
+        **kwargs: Any,
+    ) -> RequestOutput: ...
+
+    @overload
+    def chat(
+        self,
+        messages: Sequence[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput]: ...
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+    ) -> RequestOutput | list[RequestOutput]:
+        """The model's reply to a conversation, as vLLM's ``LLM.chat``.
+
+        ``messages``: one conversation, a list of ``{"role": ..., "content": ...}`` dicts
+        (content as text or OpenAI's text parts; ``tool_calls``, ``reasoning_content``...
+        reach the template as the HTTP server passes them), rendered by the model's chat
+        template (``chat_template``: another one, its text or a file) and run as
+        ``generate`` runs a prompt; or a list of conversations, run at once (so they batch),
+        their outputs returned in order (``params``: one for all, or one per conversation;
+        ``request_id`` only for one). ``add_generation_prompt``: end the prompt with the
+        assistant's turn header; ``continue_final_message``: have the model continue the
+        last message instead (no generation prompt then); ``chat_template_kwargs``: more
+        template variables (``enable_thinking``...; an ``add_generation_prompt`` there wins);
+        ``tools``: rendered by tool-use templates. A conversation the template cannot render
+        raises ``InvalidRequestError``. After ``timeout`` seconds abort and raise
+        ``TimeoutError``."""
+        conversations, batch = _conversations(messages)
+        options = _ChatOptions(
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template_kwargs,
+            tools,
+        )
+        prompts = [self._chat_ids(conversation, options) for conversation in conversations]
+        if not batch:
+            return self.generate(
+                prompts[0],
+                params,
+                request_id=request_id,
+                timeout=timeout,
+                priority=priority,  # type: ignore[arg-type]
+            )
+        if request_id is not None:
+            raise TypeError("request_id names one request: a batch of conversations gets fresh ids")
+        return self.generate_many(prompts, params, timeout=timeout, priority=priority)
+
+    def chat_stream(
+        self,
+        messages: Conversation,
+        params: SamplingParams | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+    ) -> Iterator[RequestOutput]:
+        """The reply to one conversation (arguments as for ``chat``), as ``stream`` yields a
+        prompt's: each delta as the engine produces it; closing the iterator aborts the
+        request. The conversation is rendered now: one the template cannot render raises
+        here, before any iteration."""
+        conversations, batch = _conversations(messages)
+        if batch:
+            raise InvalidRequestError("chat_stream takes one conversation, not a batch")
+        options = _ChatOptions(
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template_kwargs,
+            tools,
+        )
+        ids = self._chat_ids(conversations[0], options)
+        return self.stream(ids, params, request_id=request_id, timeout=timeout, priority=priority)
+
     def embed(
         self,
         prompt: Prompt,
@@ -1593,7 +1796,7 @@ class AsyncClient(_ClientBase):
         finally:
             if fetch.done() and self._tokenizer_fetch is fetch:
                 self._tokenizer_fetch = None  # a failed fetch is tried again by the next call
-        self._tokenizer = self._tokenizer or self._load_tokenizer(reply)
+        self._adopt(reply)
 
     async def _arequest(
         self,
@@ -1648,6 +1851,101 @@ class AsyncClient(_ClientBase):
             return await request.result(deadline)
         finally:
             request.cancel()
+
+    async def _achat_ids(self, conversations: list, options: _ChatOptions) -> list[list[int]]:
+        """``_chat_ids`` of each conversation, rendered off the event loop when long."""
+        from mpengine.chat_template import message_texts
+
+        await self._ensure_tokenizer("")
+        texts = [text for c in conversations for text in message_texts(_messages_of(c))]
+        return await off_the_loop(
+            texts, lambda: [self._chat_ids(c, options) for c in conversations]
+        )
+
+    @overload
+    async def chat(
+        self,
+        messages: Conversation,
+        params: SamplingParams | None = None,
+        **kwargs: Any,
+    ) -> RequestOutput: ...
+
+    @overload
+    async def chat(
+        self,
+        messages: Sequence[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput]: ...
+
+    async def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+    ) -> RequestOutput | list[RequestOutput]:
+        """The model's reply to a conversation, or the replies to a batch of them, as
+        ``Client.chat`` (the same arguments)."""
+        conversations, batch = _conversations(messages)
+        options = _ChatOptions(
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template_kwargs,
+            tools,
+        )
+        prompts = await self._achat_ids(conversations, options)
+        if not batch:
+            return await self.generate(
+                prompts[0],
+                params,
+                request_id=request_id,
+                timeout=timeout,
+                priority=priority,  # type: ignore[arg-type]
+            )
+        if request_id is not None:
+            raise TypeError("request_id names one request: a batch of conversations gets fresh ids")
+        return await self.generate_many(prompts, params, timeout=timeout, priority=priority)
+
+    async def chat_stream(
+        self,
+        messages: Conversation,
+        params: SamplingParams | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """The reply to one conversation (arguments as for ``chat``), as ``stream`` yields a
+        prompt's; closing the generator aborts the request."""
+        conversations, batch = _conversations(messages)
+        if batch:
+            raise InvalidRequestError("chat_stream takes one conversation, not a batch")
+        options = _ChatOptions(
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template_kwargs,
+            tools,
+        )
+        (ids,) = await self._achat_ids(conversations, options)
+        deltas = self.stream(ids, params, request_id=request_id, timeout=timeout, priority=priority)
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                yield delta
 
     async def embed(
         self,

@@ -456,9 +456,18 @@ class TokenizerQuery(msgspec.Struct, **_WIRE):
     query_id: int
 
 
+# The tokenizer files a chat template needs (the template, the special tokens it reads),
+# those the model has of them travelling in ``TokenizerFile.chat_files``.
+CHAT_TEMPLATE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
 class TokenizerFile(msgspec.Struct, **_WIRE):
+    """The engine's ``tokenizer.json`` (``data``, empty when it has none) and, by name, its
+    files of ``CHAT_TEMPLATE_FILES`` (an engine that predates them sends none)."""
+
     query_id: int
     data: bytes
+    chat_files: dict[str, bytes] = {}
 
 
 class EngineInfo(msgspec.Struct, **_WIRE):

@@ -14,6 +14,7 @@ what it had not received) wait in a small backlog until it reads again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict, defaultdict, deque
@@ -25,6 +26,7 @@ import msgspec
 
 from mpengine.config import EngineConfig
 from mpengine.protocol import (
+    CHAT_TEMPLATE_FILES,
     PROTOCOL_VERSION,
     Abort,
     AddRequest,
@@ -87,7 +89,7 @@ class FrontDoor:
         self.info = info
         self.stage_times = stage_times  # each stage's step breakdown, for stats replies
         self.decoder = client_request_decoder()
-        self._tokenizer_file: bytes | None = None
+        self._tokenizer_file: tuple[bytes, dict[str, bytes]] | None = None
         # Tokenizer replies per client (the most recent clients): one is all a client needs,
         # and each can be megabytes queued for a client that does not read.
         self._tokenizer_sent: OrderedDict[bytes, int] = OrderedDict()
@@ -148,7 +150,8 @@ class FrontDoor:
                 if sent >= TOKENIZER_REPLIES:  # a client fetches it once: not answered
                     logger.debug("%r asked for the tokenizer %d times", client_id, sent + 1)
                     return
-                self._reply(client_id, TokenizerFile(msg.query_id, self._tokenizer()))
+                data, chat_files = self._tokenizer()
+                self._reply(client_id, TokenizerFile(msg.query_id, data, chat_files))
 
     def _reply(self, client_id: bytes, msg: msgspec.Struct) -> None:
         """Send ``msg``, or keep it (in order) until the client reads: a refusal dropped
@@ -196,15 +199,21 @@ class FrontDoor:
             if not replies:
                 del self._backlog[client_id]
 
-    def _tokenizer(self) -> bytes:
-        """The engine's ``tokenizer.json`` (empty when it has none to share)."""
+    def _tokenizer(self) -> tuple[bytes, dict[str, bytes]]:
+        """The engine's ``tokenizer.json`` (empty when it has none to share) and the files
+        its chat template needs (those it has)."""
         if self._tokenizer_file is None:
+            directory = Path(self.info.tokenizer)
             try:
-                data = (Path(self.info.tokenizer) / "tokenizer.json").read_bytes()
+                data = (directory / "tokenizer.json").read_bytes()
             except OSError as exc:
                 logger.warning("cannot share the tokenizer: %s", exc)
                 data = b""
-            self._tokenizer_file = data
+            chat_files = {}
+            for name in CHAT_TEMPLATE_FILES:
+                with contextlib.suppress(OSError):  # (absent: most models lack one or two)
+                    chat_files[name] = (directory / name).read_bytes()
+            self._tokenizer_file = data, chat_files
         return self._tokenizer_file
 
 

@@ -16,6 +16,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from mpengine.chat_template import message_texts
 from mpengine.client import RequestOutput, off_the_loop
 from mpengine.server.errors import bad_request, invalid_value
 from mpengine.server.generation import Generation, PromptResult, until_disconnected
@@ -69,7 +70,7 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[i
     # A long conversation renders in a worker thread, as long texts are tokenized: the
     # event loop goes on serving the other requests' streams (and /health) meanwhile.
     text = await off_the_loop(
-        _texts(messages),
+        message_texts(messages),
         lambda: state.text.render_chat(
             messages,
             add_generation_prompt and not body.continue_final_message,
@@ -79,18 +80,6 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[i
     )
     (ids,) = await state.text.encode([text], add_special_tokens=body.add_special_tokens)
     return ids
-
-
-def _texts(messages: list[dict]) -> list[str]:
-    """The messages' text, as one string or OpenAI's parts."""
-    texts = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
-            texts += [p.get("text", "") for p in content if isinstance(p, dict)]
-    return texts
 
 
 async def create_chat_completion(

@@ -103,11 +103,13 @@ def test_the_answer_is_real_text(reference: dict[str, tuple[list[int], list[int]
 def test_greedy_chat_equals_transformers_over_ipc(
     server: Served, reference: dict[str, tuple[list[int], list[int]]]
 ) -> None:
+    """``Client.chat`` renders the template in the client (fetched with the tokenizer)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     with mpengine.Client(server.address) as client:
-        prompts = [reference[q][0] for q in QUESTIONS]
-        outputs = client.generate_many(prompts, params, timeout=TIMEOUT_S)
+        outputs = client.chat(conversations, params, timeout=TIMEOUT_S)
     for question, output in zip(QUESTIONS, outputs, strict=True):
+        assert output.prompt_token_ids == reference[question][0], question
         assert _until_eos(output.token_ids) == reference[question][1], question
 
 

@@ -1,0 +1,69 @@
+"""``mpengine serve [MODEL]`` (the engine with its HTTP API, until SIGTERM) and ``mpengine
+stats ADDR`` (a running engine's counters)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from mpengine.cli.args import (
+    add_engine_args,
+    add_model_arg,
+    auth_token_from_args,
+    config_from_args,
+    take_model_tag,
+)
+from mpengine.envs import TOKEN_FILE_HELP
+from mpengine.runtime.diagnose import check_address, positive_float
+from mpengine.server.options import add_serve_args
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="run an engine with an OpenAI-compatible HTTP API until SIGTERM or SIGINT (then "
+        "drain); IPC clients connect to its address too",
+    )
+    add_model_arg(serve, "vLLM's `vllm serve MODEL`")
+    add_engine_args(serve)
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    stats = sub.add_parser(
+        "stats",
+        help="print a running engine's counters as JSON: the scheduler's queues and blocks, "
+        "each stage's time by phase and wait (stages), and per step (per_step: the executor's "
+        "duty, each stage's ms per step, its waits on each ring and the lockstep counter)",
+    )
+    stats.add_argument("address", help="the engine's request address (ipc://... or tcp://...)")
+    stats.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=10.0,
+        help="seconds to wait for the engine (default: 10)",
+    )
+    stats.add_argument("--auth-token", default=None, help="the engine's auth token, if any")
+    stats.add_argument("--auth-token-file", default=None, help=TOKEN_FILE_HELP)
+    stats.set_defaults(func=cmd_stats)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mpengine.server.run import serve
+
+    take_model_tag(args)
+    return serve(args, config_from_args(args))
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from mpengine.client import Client
+    from mpengine.runtime.timing import breakdown, counters
+
+    check_address(args.address)
+    token = auth_token_from_args(args)
+    with Client(args.address, timeout=args.timeout, auth_token=token) as client:
+        stats = client.stats()
+    fields = {name: getattr(stats, name) for name in stats.__struct_fields__}
+    # Each stage's totals as named counters, then what they mean per step.
+    fields["stages"] = {stage: counters(times) for stage, times in stats.stages.items()}
+    fields["per_step"] = breakdown(stats.stages)
+    print(json.dumps(fields, indent=2))
+    return 0
