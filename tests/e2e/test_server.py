@@ -35,6 +35,9 @@ HUB_ID = "testorg/tiny-chat"
 NAMES = ["tiny-chat", "tiny"]
 REQUEST_TIMEOUT_S = 60.0
 SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
+# Logprobs of one position computed in different steps (other batch shapes, another CPU's
+# kernels) agree to float noise, not bit for bit: token ids are compared exactly instead.
+LOGPROB_TOLERANCE = 1e-4
 
 
 def fake_hub_cache(root: Path) -> Path:
@@ -373,7 +376,7 @@ def test_logprobs_and_echo(api: openai.OpenAI, server: Served) -> None:
             offsets += chunk.choices[0].logprobs.text_offset
         skip = 0 if echo else len(ids)
         assert tokens == lp.tokens[skip:]
-        assert values == pytest.approx(lp.token_logprobs[skip:], abs=1e-6)
+        assert values == pytest.approx(lp.token_logprobs[skip:], abs=LOGPROB_TOLERANCE)
         assert offsets == [o - lp.text_offset[skip] for o in lp.text_offset[skip:]]
 
     # vLLM's return_tokens_as_token_ids: the same logprobs, tokens named by id.
@@ -381,7 +384,9 @@ def test_logprobs_and_echo(api: openai.OpenAI, server: Served) -> None:
     named = api.completions.create(echo=True, **{**common, "extra_body": body}).choices[0]
     generated = named.model_extra["token_ids"]
     assert named.logprobs.tokens == [f"token_id:{t}" for t in ids + generated]
-    assert named.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    assert named.logprobs.token_logprobs[1:] == pytest.approx(
+        lp.token_logprobs[1:], abs=LOGPROB_TOLERANCE
+    )
     assert named.logprobs.text_offset == lp.text_offset  # (of the text, as before)
     assert all(
         all(k.startswith("token_id:") for k in top) for top in named.logprobs.top_logprobs[1:]
@@ -412,12 +417,14 @@ def test_echo_without_generation_scores_the_prompt(api: openai.OpenAI, server: S
     assert scored.usage.completion_tokens == 0
     assert scored.usage.prompt_tokens == len(ids)
     assert choice.logprobs.tokens == longer.choices[0].logprobs.tokens[: len(ids)]
-    assert choice.logprobs.token_logprobs == longer.choices[0].logprobs.token_logprobs[: len(ids)]
+    # (another step's batch: the same values up to float noise, not bit for bit)
+    head = longer.choices[0].logprobs.token_logprobs[: len(ids)]
+    assert choice.logprobs.token_logprobs == pytest.approx(head, abs=LOGPROB_TOLERANCE)
     reference = ipc.generate(
         ids, SamplingParams(max_tokens=1, prompt_logprobs=1), timeout=REQUEST_TIMEOUT_S
     ).prompt_logprobs
     values = [None] + [row[t] for row, t in zip(reference[1:], ids[1:], strict=True)]
-    assert choice.logprobs.token_logprobs == pytest.approx(values, abs=1e-6)
+    assert choice.logprobs.token_logprobs == pytest.approx(values, abs=LOGPROB_TOLERANCE)
 
     chunks = list(api.completions.create(max_tokens=0, stream=True, **common))
     assert "".join(c.choices[0].text for c in chunks) == "Once upon a time"
@@ -446,7 +453,7 @@ def test_prompt_logprobs_in_vllm_shape(api: openai.OpenAI, server: Served, ipc) 
         top = sorted(ref.items(), key=lambda item: -item[1])[:2]
         for place, (t, value) in enumerate(top, 1):
             assert row[str(t)]["rank"] == place
-            assert row[str(t)]["logprob"] == pytest.approx(value, abs=1e-6)
+            assert row[str(t)]["logprob"] == pytest.approx(value, abs=LOGPROB_TOLERANCE)
         # the prompt token's rank is the engine's, exact also outside the top 2
         assert row[str(token)]["rank"] == rank and rank >= 1
         outside += rank > 2
@@ -476,7 +483,9 @@ def test_prompt_logprobs_in_vllm_shape(api: openai.OpenAI, server: Served, ipc) 
     for chunk in api.completions.create(**standard, extra_body=extra, stream=True):
         for c in chunk.choices:
             firsts.setdefault(c.index, c.logprobs.token_logprobs[: len(ids)])
-    assert sorted(firsts) == [0, 1, 2] and all(f == heads[0] for f in firsts.values())
+    assert sorted(firsts) == [0, 1, 2]
+    for first in firsts.values():  # (another run: the same up to float noise)
+        assert first == pytest.approx(heads[0], abs=LOGPROB_TOLERANCE)
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(api: openai.OpenAI, server: Served, ipc):

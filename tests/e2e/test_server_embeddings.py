@@ -143,7 +143,7 @@ def test_base64_and_the_default_format(api: openai.OpenAI, server: Served) -> No
         # float32 little-endian; values as the float reply's up to batching noise (the two
         # requests may share steps with different companions)
         assert decoded.dtype == np.float32 and len(decoded) == HIDDEN_SIZE
-        assert decoded.tolist() == pytest.approx(want, abs=1e-6)
+        assert decoded.tolist() == pytest.approx(want, abs=1e-5)
 
 
 def test_token_ids_equal_text(api: openai.OpenAI, reference: Reference) -> None:
