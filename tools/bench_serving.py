@@ -25,6 +25,18 @@ core measures itself). At the end: the HTTP layer's added TTFT (http minus ipc, 
 p99) and the ratio of their throughputs. The JSON is rewritten after every round.
 
     python tools/bench_serving.py --model tiny --concurrency 64 --requests 256
+
+``--chat``: every request is a conversation instead (one user message: a question from a
+fixed list after seeded filler words, as many as bring the prompt the chat template renders
+to the drawn --prompt-min..--prompt-max tokens, as near as the template's own tokens allow).
+``ipc`` sends it with ``AsyncClient.chat_stream`` (the template rendered in the client),
+``http`` and ``http-poisson`` as streaming ``/v1/chat/completions`` (rendered in the server;
+tokens counted from each chunk's ``token_ids``); both render inside the measured TTFT.
+``hf-static`` renders the same conversations with transformers' ``apply_chat_template``.
+Outputs still ignore EOS, with the same drawn max_tokens, so the modes' tokens match:
+
+    python tools/bench_serving.py --model smollm2-135m --chat --concurrency 16 --requests 32 \\
+        --rounds 2 --no-hf
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -52,8 +65,9 @@ from mpengine.testing.bench import Report, percentile, stop_on_sigterm
 
 @dataclass
 class Request:
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # with --chat: the conversation as the engine's template renders it
     max_tokens: int
+    messages: list[dict[str, str]] | None = None  # --chat: the conversation sent
 
 
 @dataclass
@@ -115,6 +129,74 @@ def workload(args: argparse.Namespace, vocab_size: int) -> list[Request]:
     return requests
 
 
+# --chat: each conversation is one of these questions after filler words, both drawn (seeded).
+QUESTIONS = (
+    "Summarize the notes above in three sentences.",
+    "What is the main idea of the text above?",
+    "Which of the words above appear most often, and why might that be?",
+    "Write a short poem inspired by the words above.",
+    "Explain the text above to a ten-year-old.",
+    "List five questions a reader might ask about the notes above.",
+    "Turn the notes above into a short story with a happy ending.",
+    "What would be a good title for the text above?",
+    "Translate the general mood of the notes above into a single paragraph.",
+    "Give three arguments for and three against the ideas above.",
+    "Rewrite the notes above as a formal email to a colleague.",
+    "Which topics from the text above would make a good lecture series?",
+)
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "government number night point home water room mother area money story fact month lot "
+    "right study book eye job word business issue side kind head house service friend father "
+    "power hour game line end member law car city community name president team minute idea "
+    "kid body information back parent face others level office door health person art war "
+    "history party result change morning reason research girl guy moment air teacher force "
+    "education river mountain garden music light energy market village bridge window paper "
+    "quickly slowly carefully green blue bright quiet ancient modern simple strange"
+)
+WORDS = _WORDS.split()
+
+
+def conversation(question: str, filler: list[str]) -> list[dict[str, str]]:
+    """One user message: the filler words as notes, then the question."""
+    notes = f"Notes: {' '.join(filler)}.\n\n" if filler else ""
+    return [{"role": "user", "content": notes + question}]
+
+
+def chat_workload(
+    args: argparse.Namespace, render: Callable[[list[dict[str, str]]], list[int]]
+) -> list[Request]:
+    """Seeded conversations whose rendered prompts (``render``: a conversation's token ids
+    through the chat template) have about the drawn lengths: the most filler words that keep
+    it within the drawn length (never under the question alone, whose length the template's
+    own tokens bound from below)."""
+    rng = random.Random(args.seed)
+    requests = []
+    for _ in range(args.requests):
+        target = rng.randint(args.prompt_min, args.prompt_max)
+        max_tokens = rng.randint(args.output_min, args.output_max)
+        question = rng.choice(QUESTIONS)
+        filler = [rng.choice(WORDS) for _ in range(target)]  # a word takes a token at least
+        low, high = 0, target  # the most words that fit: binary search
+        while low < high:
+            middle = (low + high + 1) // 2
+            if len(render(conversation(question, filler[:middle]))) <= target:
+                low = middle
+            else:
+                high = middle - 1
+        messages = conversation(question, filler[:low])
+        requests.append(Request(render(messages), max_tokens, messages))
+    return requests
+
+
+def engine_chat_workload(args: argparse.Namespace, address: str) -> list[Request]:
+    """``chat_workload`` rendered by the engine's own template and tokenizer (as
+    ``chat_stream`` and the HTTP server render it)."""
+    with mpengine.Client(address) as client:
+        return chat_workload(args, client.apply_chat_template)
+
+
 def _nan_to_none(value: Any) -> Any:
     if isinstance(value, float) and value != value:
         return None
@@ -171,8 +253,9 @@ async def guarded(send, request: Request, timing: Timing) -> None:
 
 
 class HttpClient:
-    """One keep-alive HTTP/1.1 connection that streams completions (SSE over chunked
-    transfer encoding), enough of HTTP for this benchmark and nothing more."""
+    """One keep-alive HTTP/1.1 connection that streams completions, or chat completions for
+    a request with messages (SSE over chunked transfer encoding), enough of HTTP for this
+    benchmark and nothing more."""
 
     def __init__(self, host: str, port: int, model: str) -> None:
         self.host, self.port, self.model = host, port, model
@@ -183,18 +266,20 @@ class HttpClient:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         assert self.reader is not None
-        body = json.dumps(
-            {
-                "model": self.model,
-                "prompt": request.prompt_ids,
-                "max_tokens": request.max_tokens,
-                "stream": True,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            }
-        ).encode()
+        fields: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": request.max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "return_token_ids": True,  # (chat: on each content chunk; the role chunk has none)
+        }
+        if request.messages is None:
+            path, fields["prompt"] = "/v1/completions", request.prompt_ids
+        else:
+            path, fields["messages"] = "/v1/chat/completions", request.messages
+        body = json.dumps(fields).encode()
         head = (
-            f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         )
         timing.sent = time.perf_counter()
@@ -227,8 +312,12 @@ class HttpClient:
 
 async def ipc_stream(client: mpengine.AsyncClient, request: Request, timing: Timing) -> None:
     params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True)
-    timing.sent = time.perf_counter()
-    async for delta in client.stream(request.prompt_ids, params):
+    timing.sent = time.perf_counter()  # (chat: the template renders within the TTFT)
+    if request.messages is None:
+        deltas = client.stream(request.prompt_ids, params)
+    else:
+        deltas = client.chat_stream(request.messages, params)
+    async for delta in deltas:
         timing.token(time.perf_counter(), len(delta.outputs[0].token_ids))
 
 
@@ -339,9 +428,28 @@ async def run_mode(
 
 
 def hf_static(requests: list[Request], args: argparse.Namespace, model_path: str) -> Result:
-    """The same requests through transformers' ``generate``, in static batches."""
+    """The same requests through transformers' ``generate``, in static batches (with
+    --chat: the conversations rendered by transformers' ``apply_chat_template``)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if any(r.messages is not None for r in requests):
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if not tokenizer.chat_template:
+            raise ValueError(f"{model_path}: the tokenizer has no chat template")
+        requests = [
+            Request(
+                tokenizer(
+                    tokenizer.apply_chat_template(
+                        r.messages, tokenize=False, add_generation_prompt=True
+                    ),
+                    add_special_tokens=False,
+                ).input_ids,
+                r.max_tokens,
+                r.messages,
+            )
+            for r in requests
+        ]
 
     # The engine's device and dtype ("auto": bfloat16 on CUDA, float32 on the CPU).
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -423,7 +531,12 @@ def print_table(results: list[Result]) -> None:
 
 async def bench(args: argparse.Namespace, url: str, address: str, report: Report) -> dict:
     async with mpengine.AsyncClient(address) as client:
-        requests = workload(args, client.info.vocab_size)
+        if args.chat:
+            requests = await asyncio.to_thread(engine_chat_workload, args, address)
+            lengths = [len(r.prompt_ids) for r in requests]
+            print(f"chat prompts: {min(lengths)}..{max(lengths)} tokens, as rendered")
+        else:
+            requests = workload(args, client.info.vocab_size)
         warm = requests[: args.concurrency]
         await run_mode("http", warm, args, url, client)  # warm both paths up
         await run_mode("ipc", warm, args, url, client)
@@ -461,6 +574,11 @@ def main() -> None:
         help="Poisson rates as fractions of the HTTP capacity at --concurrency",
     )
     parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per run at most")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="conversations through the chat template: /v1/chat/completions and chat_stream",
+    )
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

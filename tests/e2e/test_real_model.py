@@ -149,3 +149,17 @@ def test_the_gguf_file_as_a_path_is_the_builtin(
         builtin = client.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))
     assert from_path["token_ids"] == builtin.token_ids
     assert " Paris" in from_path["text"]
+
+
+def test_chat_from_a_pipe_keeps_the_conversation(server: Served, tmp_path: Path) -> None:
+    """``mpengine chat`` against the running engine, one message a line: real answers, and
+    the second question is answered knowing the first."""
+    cmd = [sys.executable, "-m", "mpengine.cli", "chat", "--address", server.address]
+    cmd += ["--temperature", "0", "--max-tokens", "24"]
+    questions = "What is the capital of France?\nAnd of Germany?\n"
+    done = subprocess.run(
+        cmd, input=questions, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.splitlines()[:2]
+    assert "Paris" in first and "Berlin" in second, done.stdout
