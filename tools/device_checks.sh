@@ -89,7 +89,7 @@ finally:
 '
 
 if [ $quick = 1 ]; then
-    step build 300 "$python" -c "from mpengine.testing.tiny import resolve_model as r
+    step build 300 "$python" -c "from mpengine.models.resolve import resolve_model as r
 for name in ('tiny', 'tiny-bert', 'tiny-embed'): print(r(name))"
     step smoke 120 "$python" -c "$smoke" cpu
     step bench_engine_tiny 300 "$python" tools/bench_engine.py --device cpu --models tiny \
@@ -104,7 +104,7 @@ for name in ('tiny', 'tiny-bert', 'tiny-embed'): print(r(name))"
         tests/unit/test_attention_backends.py tests/unit/test_pooler.py
 else
     # The shape models are ~600M random parameters each: built once, off the clock.
-    step build 150 "$python" -c "from mpengine.testing.tiny import resolve_model as r
+    step build 150 "$python" -c "from mpengine.models.resolve import resolve_model as r
 for name in ('tiny', 'tiny-bert', 'tiny-embed', 'qwen3-0.6b-shape',
              'qwen3-embedding-0.6b-shape'): print(r(name))"
     step smoke 60 "$python" -c "$smoke" cuda
