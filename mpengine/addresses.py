@@ -3,6 +3,8 @@ PORT, outputs on PORT+1). An IPv6 host is written in brackets (``tcp://[::1]:555
 
 from __future__ import annotations
 
+import os
+
 # Hosts that bind every interface; a client reaches them at a host of its own choosing.
 WILDCARD_HOSTS = {"", "*", "0.0.0.0", "[::]", "::", "[*]"}
 MAX_PORT = 65534  # the output socket listens on PORT+1
@@ -45,3 +47,32 @@ def listens_ipv6(address: str) -> bool:
     wildcard (every interface, IPv6 ones too; libzmq falls back to IPv4 without IPv6)."""
     parts = split_tcp(address)
     return parts is not None and (parts[0].startswith("[") or parts[0] == "*")
+
+
+def connectable(address: str) -> str:
+    """An address a client can connect to: a wildcard tcp host (an engine's bind address,
+    ``tcp://*:5555``) means this host; ``ipc://DIR``, the directory an engine was given as
+    its address, means its request socket ``ipc://DIR/requests.sock``."""
+    if not address.startswith(("ipc://", "tcp://")):
+        raise ValueError(
+            f"{address!r} is not an engine address: ipc://PATH (a socket or the engine's "
+            "directory) or tcp://HOST:PORT"
+        )
+    if address.startswith("ipc://") and os.path.isdir(address[len("ipc://") :]):
+        return address.rstrip("/") + "/requests.sock"
+    parts = split_tcp(address)
+    if parts is None or parts[0] not in WILDCARD_HOSTS:
+        return address
+    loopback = "[::1]" if parts[0].startswith("[") or parts[0] == "::" else "127.0.0.1"
+    return f"tcp://{loopback}:{parts[1]}"
+
+
+def output_address(request_address: str, advertised: str) -> str:
+    """Where a client connects for outputs: the engine's advertised output address, except
+    that a wildcard host (the engine binds every interface, ``tcp://*:5556``) becomes the
+    host the client reached the engine at for requests."""
+    out = split_tcp(advertised)
+    if out is None or out[0] not in WILDCARD_HOSTS:
+        return advertised
+    request = split_tcp(request_address)
+    return connectable(advertised) if request is None else f"tcp://{request[0]}:{out[1]}"

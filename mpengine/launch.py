@@ -52,7 +52,8 @@ from typing import TypeVar
 import msgspec
 
 from mpengine.addresses import split_tcp
-from mpengine.client import AsyncClient, Client
+from mpengine.client.async_client import AsyncClient
+from mpengine.client.sync_client import Client
 from mpengine.config import EngineConfig, MiB, available_cpus
 from mpengine.errors import EngineDeadError, EngineStartError
 from mpengine.models.resolve import check_model
@@ -545,7 +546,7 @@ class Engine:
         """Fail what this engine's clients wait for, with ``reason``, before they see its
         sockets close (which says only that it stopped or died)."""
         for client in list(self._clients):
-            client._engine_died(reason)
+            client.engine_died(reason)
 
     def on_death(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` (from the supervisor thread) if a stage dies."""
@@ -586,7 +587,7 @@ class Engine:
             raise EngineDeadError("the engine was shut down")
         token = auth_token if auth_token is not None else self.config.auth_token
         client = kind(self.address, timeout=timeout, client_id=client_id, auth_token=token)
-        client._conn.supervised = True
+        client.mark_supervised()
         self._clients.add(client)
         return client
 

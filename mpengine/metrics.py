@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from mpengine.protocol import STEP_TOKEN_BUCKETS
 
 if TYPE_CHECKING:
-    from mpengine.client import RequestOutput
+    from mpengine.client.outputs import RequestOutput
     from mpengine.protocol import EngineStats
 
 PREFIX = "mpengine:"

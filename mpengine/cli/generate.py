@@ -82,7 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _stream(client, prompt: str, params, logprobs: bool):
     """Print the prompt and its text as it comes; the whole output."""
-    from mpengine.client import CompletionOutput, RequestOutput
+    from mpengine.client.outputs import CompletionOutput, RequestOutput
 
     whole = CompletionOutput(0, logprobs=[] if logprobs else None)
     sys.stdout.write(prompt)

@@ -69,7 +69,7 @@ def engine_client(args: argparse.Namespace) -> Iterator[Any]:
         with contextlib.closing(HttpClient(address, api_key, args.timeout, model)) as client:
             yield client
         return
-    from mpengine.client import Client
+    from mpengine.client.sync_client import Client
     from mpengine.runtime.diagnose import check_address
 
     if model is not None:
@@ -129,7 +129,7 @@ class HttpClient:
 
     def generate_many(self, prompts: list[str], fields: dict[str, Any]) -> list[Any]:
         """Each prompt's samples (``Client.generate_many``)."""
-        from mpengine.client import RequestOutput
+        from mpengine.client.outputs import RequestOutput
 
         body = self._completion_body(prompts, fields, stream=False)
         reply = self._json("/v1/completions", body)
@@ -241,7 +241,7 @@ def _message(payload: object) -> str:
 
 def _sample(choice: dict[str, Any], text: str) -> Any:
     """A choice (or a stream's delta of one) as a ``CompletionOutput``."""
-    from mpengine.client import CompletionOutput
+    from mpengine.client.outputs import CompletionOutput
 
     sample = CompletionOutput(
         choice.get("index", 0),
@@ -275,7 +275,7 @@ def _token_id(name: str) -> int:
 
 
 def _output(chunk: dict[str, Any], sample: Any) -> Any:
-    from mpengine.client import RequestOutput
+    from mpengine.client.outputs import RequestOutput
 
     finished = sample.finish_reason is not None
     return RequestOutput(chunk.get("id", ""), [], [sample], finished=finished)

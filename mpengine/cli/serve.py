@@ -54,7 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from mpengine.client import Client
+    from mpengine.client.sync_client import Client
     from mpengine.runtime.timing import breakdown, counters
 
     check_address(args.address)

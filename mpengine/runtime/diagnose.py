@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mpengine.addresses import connectable
 from mpengine.envs import TOKEN_FILE_HELP, auth_token, write_atomically
 from mpengine.runtime.stage import STACKS_SIGNAL
 
@@ -368,8 +369,6 @@ def positive_float(text: str) -> float:
 def check_address(address: str) -> None:
     """Exit with one line unless ``address`` is an engine's address (an ipc socket that
     exists): a client would wait out its whole handshake timeout."""
-    from mpengine.client import connectable
-
     if not address.startswith(("ipc://", "tcp://")):
         raise SystemExit(f"mpengine: {address!r} is not an ipc:// or tcp:// address")
     if not address.startswith("ipc://"):
@@ -389,7 +388,7 @@ def check_address(address: str) -> None:
 
 def cmd_top(args: argparse.Namespace) -> int:
     """``mpengine top``: a live view, refreshed every ``--interval`` seconds."""
-    from mpengine.client import Client
+    from mpengine.client.sync_client import Client
 
     check_address(args.address)
     try:

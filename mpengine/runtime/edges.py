@@ -56,7 +56,7 @@ def bind_router(
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
     if auth_token:
-        from mpengine.runtime.auth import secure_server
+        from mpengine.auth import secure_server
 
         secure_server(sock, auth_token)
     if listens_ipv6(address):

@@ -17,7 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from mpengine.chat_template import message_texts
-from mpengine.client import RequestOutput, off_the_loop
+from mpengine.client.outputs import RequestOutput
+from mpengine.client.tokens import off_the_loop
 from mpengine.server.errors import bad_request, invalid_value
 from mpengine.server.generation import Generation, PromptResult, until_disconnected
 from mpengine.server.logprobs import chat_logprobs, prompt_logprob_entries

@@ -20,7 +20,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from mpengine.client import RequestOutput
+from mpengine.client.outputs import RequestOutput
 from mpengine.server.errors import bad_request, invalid_value
 from mpengine.server.generation import Generation, PromptResult, until_disconnected
 from mpengine.server.logprobs import completion_logprobs, prompt_logprob_entries

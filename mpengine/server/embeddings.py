@@ -29,7 +29,7 @@ from mpengine.server.schemas import EmbeddingData, EmbeddingList, EmbeddingReque
 from mpengine.server.state import ServerState
 
 if TYPE_CHECKING:
-    from mpengine.client import EmbeddingOutput
+    from mpengine.client.outputs import EmbeddingOutput
 
 Prompt = str | list[int]
 

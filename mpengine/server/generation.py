@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from starlette.requests import Request
 
-from mpengine.client import RequestOutput
+from mpengine.client.outputs import RequestOutput
 from mpengine.errors import InvalidRequestError
 from mpengine.protocol import SamplingParams
 from mpengine.server.errors import APIError, from_engine

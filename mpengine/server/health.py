@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from mpengine.client import AsyncClient
+from mpengine.client.async_client import AsyncClient
 from mpengine.metrics import ServerMetrics
 from mpengine.protocol import EngineStats
 

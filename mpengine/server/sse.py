@@ -16,7 +16,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from mpengine.client import RequestOutput
+from mpengine.client.outputs import RequestOutput
 from mpengine.server.errors import APIError, error_type
 from mpengine.server.generation import Generation, until_disconnected
 from mpengine.server.schemas import ErrorInfo, ErrorResponse

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from mpengine.client import AsyncClient
+from mpengine.client.async_client import AsyncClient
 from mpengine.metrics import ServerMetrics
 from mpengine.protocol import EngineInfo, SamplingParams
 from mpengine.server.errors import APIError

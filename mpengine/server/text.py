@@ -29,7 +29,7 @@ from mpengine.chat_template import (
     detect_content_format,
     load_chat_template,
 )
-from mpengine.client import as_transformers_encodes, encode_texts, off_the_loop
+from mpengine.client.tokens import as_transformers_encodes, encode_texts, off_the_loop
 from mpengine.output.detokenizer import REPLACEMENT, token_bytes
 from mpengine.server.errors import bad_request
 

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from mpengine.client import Client
+from mpengine.client.sync_client import Client
 from mpengine.protocol import EngineStats
 
 

@@ -113,16 +113,14 @@ def test_chat_refuses_what_it_cannot_render(engines) -> None:
 
 
 def test_a_client_fetches_the_tokenizer_and_template_once(engines, monkeypatch) -> None:
-    import mpengine.client as client_module
-
     fetches = []
-    query = client_module._query
+    query = mpengine.Client._query
 
-    def counting(conn, make, timeout):
+    def counting(client, make, timeout):
         fetches.append(make)
-        return query(conn, make, timeout)
+        return query(client, make, timeout)
 
-    monkeypatch.setattr(client_module, "_query", counting)
+    monkeypatch.setattr(mpengine.Client, "_query", counting)
     with mpengine.Client(engines().address) as client:  # (remote: everything by the wire)
         client.tokenize("hello")
         params = SamplingParams(max_tokens=2)

@@ -28,7 +28,9 @@ import pytest
 import zmq
 
 import mpengine
-from mpengine.client import INLINE_TOKENIZE_CHARS, abort_frames, off_the_loop, output_address
+from mpengine.addresses import output_address
+from mpengine.client.connection import abort_frames
+from mpengine.client.tokens import INLINE_TOKENIZE_CHARS, off_the_loop
 from mpengine.errors import ClientClosedError, ProtocolError
 from mpengine.protocol import (
     PROTOCOL_VERSION,

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mpengine import PoolingParams
-from mpengine.client import EmbeddingOutput
+from mpengine.client.outputs import EmbeddingOutput
 from mpengine.errors import InvalidRequestError
 from mpengine.testing.embedding_reference import (
     blank_inputs,

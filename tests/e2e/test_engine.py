@@ -63,7 +63,7 @@ def test_n_samples_differ_and_share_prompt_blocks(client):
 def test_stop_string_across_token_boundary(client):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     free = client.generate(PROMPT, params)
-    tokenizer = client._tokenizer
+    tokenizer = client._text.tokenizer
     pieces = [tokenizer.decode([t]) for t in free.token_ids]
     # A stop string made of the end of one token's text and the start of the next one's
     # (whole characters on both sides, present in the text).
@@ -92,7 +92,7 @@ def test_stream_deltas_add_up_and_multibyte_text_is_whole(client):
     assert [t for d in deltas for t in d.token_ids] == final.token_ids
     # Had a delta emitted U+FFFD for a character whose bytes were still arriving, the
     # concatenated stream would differ from decoding all the ids at once.
-    decoded = client._tokenizer.decode(final.token_ids, skip_special_tokens=True)
+    decoded = client._text.tokenizer.decode(final.token_ids, skip_special_tokens=True)
     assert final.text == decoded
 
 

@@ -359,17 +359,16 @@ def test_concurrent_text_requests_fetch_the_tokenizer_once(engine, monkeypatch) 
     """An AsyncClient's first text requests, made at once, each fetched the whole file."""
     import asyncio
 
-    import mpengine.client as client_module
     from mpengine.protocol import TokenizerQuery
 
     fetches = []
-    query = client_module._aquery
+    query = mpengine.AsyncClient._aquery
 
-    async def counting(conn, make, timeout):
+    async def counting(client, make, timeout):
         fetches.append(make)
-        return await query(conn, make, timeout)
+        return await query(client, make, timeout)
 
-    monkeypatch.setattr(client_module, "_aquery", counting)
+    monkeypatch.setattr(mpengine.AsyncClient, "_aquery", counting)
 
     async def main() -> list:
         async with engine.async_client() as aclient:

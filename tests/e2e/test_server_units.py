@@ -514,7 +514,7 @@ def test_a_long_chat_renders_in_a_worker_thread(monkeypatch: pytest.MonkeyPatch)
     stalled for seconds. Past the inline size it renders in a thread, to the same ids."""
     import threading
 
-    from mpengine.client import INLINE_TOKENIZE_CHARS
+    from mpengine.client.tokens import INLINE_TOKENIZE_CHARS
     from mpengine.server.chat import chat_prompt
 
     text = TextTools(resolve_model("tiny"))

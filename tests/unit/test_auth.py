@@ -11,7 +11,7 @@ import pytest
 import zmq
 from zmq.utils import z85
 
-from mpengine.runtime import auth
+from mpengine import auth
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 

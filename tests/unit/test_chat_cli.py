@@ -14,7 +14,7 @@ from mpengine.cli import build_parser, config_from_args
 from mpengine.cli.args import given_sampling, quiet_by_default, take_model_tag
 from mpengine.cli.chat import ChatLoop, Conversation, Line, parse_line
 from mpengine.cli.remote import HttpClient, _http_error, _logprob_rows, is_http
-from mpengine.client import CompletionOutput, RequestOutput
+from mpengine.client.outputs import CompletionOutput, RequestOutput
 from mpengine.errors import InvalidRequestError, RequestFailedError
 
 

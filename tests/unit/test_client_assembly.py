@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpengine.client import _Assembly, _Window, token_array
+from mpengine.client.outputs import Assembly
+from mpengine.client.requests import Window
+from mpengine.client.tokens import token_array
 from mpengine.errors import InvalidRequestError, RequestFailedError
 from mpengine.protocol import (
     EMPTY_IDS,
@@ -24,7 +26,7 @@ def request(ids: list[int]) -> AddRequest:
 
 
 def test_the_embedding_and_the_tokens_the_engine_pooled():
-    assembly = _Assembly(request([5, 6, 7, 8]))
+    assembly = Assembly(request([5, 6, 7, 8]))
     vector = Array.of(np.array([0.6, 0.8]), "float32")
     # The engine truncated the prompt to 3 tokens (truncate_prompt_tokens).
     delta = OutputDelta("r", 0, EMPTY_IDS, "", "stop", embedding=vector, num_prompt_tokens=3)
@@ -43,7 +45,7 @@ def logprobs(ids: list[int], values: list[float]) -> Logprobs:
 def test_cumulative_logprob_is_the_running_sum_when_logprobs_are_asked_for():
     """As vLLM: with logprobs, each sample's cumulative logprob is the sum of its sampled
     tokens' logprobs (so far, in a stream); without them, None."""
-    asked = _Assembly(AddRequest("r", Array.of([1]), SamplingParams(max_tokens=3, logprobs=0)))
+    asked = Assembly(AddRequest("r", Array.of([1]), SamplingParams(max_tokens=3, logprobs=0)))
     first = asked.add(
         OutputDelta("r", 0, Array.of([5, 6]), "ab", logprobs=logprobs([5, 6], [-0.5, -1.25]))
     )
@@ -52,13 +54,13 @@ def test_cumulative_logprob_is_the_running_sum_when_logprobs_are_asked_for():
         OutputDelta("r", 0, Array.of([7]), "c", "length", logprobs=logprobs([7], [-0.25]))
     )
     assert last.finished and last.outputs[0].cumulative_logprob == -2.0
-    plain = _Assembly(AddRequest("r", Array.of([1]), SamplingParams(max_tokens=1)))
+    plain = Assembly(AddRequest("r", Array.of([1]), SamplingParams(max_tokens=1)))
     out = plain.add(OutputDelta("r", 0, Array.of([5]), "a", "length"))
     assert out.outputs[0].cumulative_logprob is None
 
 
 def test_a_request_that_ends_without_its_embedding_raises():
-    assembly = _Assembly(request([5, 6]))
+    assembly = Assembly(request([5, 6]))
     assembly.add(OutputDelta("r", 0, EMPTY_IDS, "", "error", error="step 3 failed"))
     with pytest.raises(RequestFailedError, match="step 3 failed"):
         assembly.embedding_output()
@@ -92,19 +94,19 @@ def test_a_hello_with_no_connection_to_take_it_never_blocks_past_the_deadline():
     import msgspec
     import zmq
 
-    from mpengine.client import _Deadline, _Dealer
+    from mpengine.client.sockets import Deadline, Dealer
 
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
     ctx = zmq.Context()
-    dealer = _Dealer(ctx, address, "client-1", None)
+    dealer = Dealer(ctx, address, "client-1", None)
     dealer.sock.disconnect(address)
     raised: list[BaseException] = []
 
     def shake() -> None:
         try:
-            dealer.handshake(b"hello", msgspec.msgpack.Decoder(), _Deadline(0.5))
+            dealer.handshake(b"hello", msgspec.msgpack.Decoder(), Deadline(0.5))
         except BaseException as exc:
             raised.append(exc)
 
@@ -136,4 +138,4 @@ def test_a_batch_call_window(queue: int, seqs: int, window: int) -> None:
         "e", "m", "t", 100, 4096, 16, 64, seqs, 2048, [2], "processes", 1,
         max_waiting_requests=queue, max_waiting_tokens=1 << 20,
     )  # fmt: skip
-    assert _Window(info).max_requests == window
+    assert Window(info).max_requests == window

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mpengine.client import CompletionOutput, RequestMetrics, RequestOutput
+from mpengine.client.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mpengine.metrics import RequestTracker, ServerMetrics, token_buckets
 from mpengine.protocol import STEP_TOKEN_BUCKETS, EngineStats, StageTimes
 

@@ -1,0 +1,276 @@
+"""Waiting for the engine: one request state machine, and one implementation of each wait
+for both clients.
+
+``Request`` is one submitted request seen from its caller: its deltas assembled, and two
+states, ``ended`` (every final delta, or the error, has reached this side: nothing more
+will come) and ``finished`` (the caller has read its final delta).
+
+What a call waits for is written once, as *steps*: a generator that yields what it waits
+for next (as a timeout would name it) and is sent each event that comes, ``(request,
+delta)`` or a query's reply, with no I/O of its own (``Batch.steps``, ``query_steps``).
+``Inbox`` (blocking, for ``Client``) and ``AsyncInbox`` (awaiting, for ``AsyncClient``)
+are the one thing that differs: the queue the I/O thread puts a call's events in, and
+``run``, which drives steps to their end on it. Steps that stop early, by an error, a
+timeout or a cancellation, forget their requests and abort those still running in one
+chunked ``Abort``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import sys
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+
+from mpengine.client.connection import Connection, Sink
+from mpengine.client.outputs import Assembly, EmbeddingOutput, RequestOutput
+from mpengine.client.sockets import Deadline
+from mpengine.protocol import AddRequest, EngineInfo, OutputDelta
+
+T = TypeVar("T")
+# Yields what it waits for next, is sent what came, returns the call's result.
+Steps = Generator[str, Any, T]
+
+
+class Request:
+    """One submitted request seen from its caller (see the module's docstring); its events
+    go to ``put`` as ``(request, delta or exception)``. ``index``: its place in its call."""
+
+    def __init__(self, conn: Connection, request: AddRequest, put: Sink, index: int = 0) -> None:
+        self.conn = conn
+        self.request_id = request.request_id
+        self.index = index
+        self.assembly = Assembly(request)
+        # Final deltas (or the error) not yet received by the I/O thread.
+        self._finals_due = self.assembly.num_open
+
+        def receive(item: OutputDelta | BaseException) -> None:
+            if isinstance(item, BaseException):
+                self._finals_due = 0
+            elif item.finish_reason is not None:
+                self._finals_due -= 1
+            put((self, item))
+
+        self.wire_id = conn.submit(request, receive)
+
+    @property
+    def ended(self) -> bool:
+        """Nothing more will come for it: it has ended on the engine (or failed), and a
+        late reader still gets what is left."""
+        return self._finals_due <= 0
+
+    @property
+    def finished(self) -> bool:
+        """The caller has read its final delta."""
+        return self.assembly.output.finished
+
+    def expect(self, deadline: Deadline) -> str:
+        """What its reader waits for next, as a timeout names it; that timeout now if the
+        deadline has passed while it still runs (a reader slower than the engine always
+        finds a delta waiting; those of a request that ended are the reader's, late or not)."""
+        what = f"request {self.request_id!r} aborted: not finished"
+        if deadline.passed and not self.ended:
+            raise deadline.error(what)
+        return what
+
+    def output(self) -> RequestOutput:
+        """What it has returned so far, assembled: the finished request's result."""
+        return self.assembly.output
+
+    def embedding(self) -> EmbeddingOutput:
+        """The finished pooling request's result, or ``RequestFailedError``."""
+        return self.assembly.embedding_output()
+
+    def take(self, item: OutputDelta | BaseException) -> RequestOutput:
+        """Read one delta (the error that ended the request raises)."""
+        if isinstance(item, BaseException):
+            self.conn.forget(self.request_id, self.wire_id)
+            raise item
+        delta = self.assembly.add(item)
+        if delta.finished:
+            self.conn.forget(self.request_id, self.wire_id)
+        return delta
+
+
+def cancel(requests: Sequence[Request]) -> None:
+    """Their caller stopped waiting: forget the requests (their ids are free again), abort
+    those still running, in one chunked ``Abort``."""
+    for request in requests:
+        request.conn.forget(request.request_id, request.wire_id)
+    if requests:
+        requests[0].conn.abort([r.wire_id for r in requests if not r.ended])
+
+
+class Window:
+    """The requests of one batch call in flight at once. The engine refuses a request
+    (``overloaded``) once ``max_waiting_requests`` requests or ``max_waiting_tokens``
+    prompt tokens wait for admission; a batch keeps at most a quarter of the tokens in
+    flight, and as many requests as a step takes (``max_num_seqs``, within half the queue)
+    or a quarter of the queue, whichever is more (other clients share the queue: four big
+    batch calls fit the default one at once), but no more than four steps take. It submits
+    the rest as earlier ones finish, whichever they are (a long one does not hold back the
+    others), marked ``continues`` (a draining engine lets the call finish, and the engine
+    refuses them only past twice its bounds)."""
+
+    def __init__(self, info: EngineInfo) -> None:
+        self.max_requests = self.max_tokens = 1 << 62  # an engine that does not say
+        if info.max_waiting_requests:
+            queue, seqs = info.max_waiting_requests, info.max_num_seqs
+            # A step's worth at least (within half the queue), else a quarter of the queue.
+            self.max_requests = max(1, min(4 * seqs, max(queue // 4, min(seqs, queue // 2))))
+            self.max_tokens = max(1, info.max_waiting_tokens // 4)
+        self.inflight: dict[int, int] = {}  # id of a request in flight -> its prompt tokens
+        self.tokens = 0
+        self.released = 0  # requests that finished and left the window
+
+    def admits(self, request: AddRequest) -> bool:
+        """Whether ``request`` may go now; else one in flight must finish first."""
+        size = len(request.prompt_token_ids)
+        fits = len(self.inflight) < self.max_requests and self.tokens + size <= self.max_tokens
+        return not self.inflight or fits
+
+    def add(self, request: Request, size: int) -> None:
+        self.inflight[id(request)] = size
+        self.tokens += size
+
+    def release(self, finished: list[Request]) -> None:
+        for request in finished:
+            size = self.inflight.pop(id(request), None)
+            if size is not None:
+                self.tokens -= size
+                self.released += 1
+
+
+# A batch call's request, before it is made: (prompt, parameters, request id, priority).
+Job = tuple[Any, Any, str | None, int]
+
+
+@dataclass(slots=True)
+class Batch:
+    """A batch call (``generate_many``, ``embed_many``; a lone ``generate`` or ``embed`` is
+    a batch of one): ``make(*job)`` makes each job's request, ``result`` is what the call
+    returns of each, ``finished`` sees each as it finishes (in finishing order)."""
+
+    make: Callable[..., AddRequest]
+    jobs: list[Job]
+    result: Callable[[Request], Any]
+    finished: Callable[[Request], object] | None = None
+
+    @property
+    def prompts(self) -> list[Any]:
+        return [job[0] for job in self.jobs]
+
+    def made(self) -> Iterator[AddRequest]:
+        """The requests, each made (its text tokenized) as it is asked for."""
+        return (self.make(*job) for job in self.jobs)
+
+    def steps(self, conn: Connection, made: Iterable[AddRequest], put: Sink) -> Steps[list]:
+        """Submit ``made`` within a ``Window`` of the engine's bounds, then wait for every
+        request to finish; return their results in order. The first refused or failed one
+        raises at once, whichever it is; on any error the unfinished are aborted."""
+        window = Window(conn.info)
+        requests: list[Request] = []
+        try:
+            for add in made:
+                while not window.admits(add):  # wait for one in flight to finish
+                    window.release((yield from self._take(None)))
+                add.continues = window.released > 0
+                requests.append(Request(conn, add, put, len(requests)))
+                window.add(requests[-1], len(add.prompt_token_ids))
+            yield from self._take(requests)
+            return [self.result(r) for r in requests]
+        finally:
+            cancel(requests)
+
+    def _take(self, waited: Sequence[Request] | None) -> Steps[list[Request]]:
+        """Take the batch's events, in arrival order, until every request of ``waited``
+        has finished (None: until any request of the batch has); return those that
+        finished meanwhile."""
+        left = {id(r) for r in waited or () if not r.finished}
+        done: list[Request] = []
+        while left if waited is not None else not done:
+            what = f"{len(left)} requests" if left else "the batch's requests"
+            request, item = yield f"{what} aborted: not finished"
+            request.take(item)
+            if request.finished:
+                left.discard(id(request))
+                done.append(request)
+                if self.finished is not None:
+                    self.finished(request)
+        return done
+
+
+def query_steps(conn: Connection, make: Callable[[int], msgspec.Struct], put: Sink) -> Steps[Any]:
+    """Send ``make(query_id)`` and return the engine's reply."""
+    query_id = conn.query(make, put)
+    try:
+        reply = yield f"no reply to {make.__name__}"
+    finally:
+        conn.queries.pop(query_id, None)
+    if isinstance(reply, BaseException):
+        raise reply
+    return reply
+
+
+class Inbox:
+    """Where the I/O thread puts one call's events, and the caller blocks for them."""
+
+    def __init__(self) -> None:
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self.put: Sink = self._items.put
+
+    def get(self, deadline: Deadline, what: str) -> Any:
+        try:
+            return self._items.get(timeout=deadline.remaining())
+        except queue.Empty:
+            raise deadline.error(what) from None
+
+    def run(self, steps: Steps[T], deadline: Deadline) -> T:
+        """Drive ``steps`` to their end."""
+        with contextlib.closing(steps):
+            try:
+                what = next(steps)
+                while True:
+                    what = steps.send(self.get(deadline, what))
+            except StopIteration as end:
+                return end.value
+
+
+class AsyncInbox:
+    """``Inbox`` on the event loop the call was made from (putting into it from the I/O
+    thread raises ``RuntimeError`` once the loop is closed, which makes the I/O thread drop
+    and abort the request)."""
+
+    def __init__(self) -> None:
+        self._items: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.put: Sink = lambda item: loop.call_soon_threadsafe(self._items.put_nowait, item)
+
+    async def get(self, deadline: Deadline, what: str) -> Any:
+        remaining = deadline.remaining()
+        if remaining is None:
+            return await self._items.get()
+        try:
+            if sys.version_info >= (3, 11):
+                # (wait_for before 3.12 loses a cancellation of the caller that comes in the
+                # loop turn its awaitable finishes in: the caller then ran on to the end.)
+                async with asyncio.timeout(remaining):
+                    return await self._items.get()
+            return await asyncio.wait_for(self._items.get(), remaining)
+        except asyncio.TimeoutError:
+            raise deadline.error(what) from None
+
+    async def run(self, steps: Steps[T], deadline: Deadline) -> T:
+        """Drive ``steps`` to their end."""
+        with contextlib.closing(steps):
+            try:
+                what = next(steps)
+                while True:
+                    what = steps.send(await self.get(deadline, what))
+            except StopIteration as end:
+                return end.value
