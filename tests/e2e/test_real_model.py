@@ -43,28 +43,35 @@ def directory() -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(directory: str) -> dict[str, list[int]]:
+def reference(directory: str) -> dict[str, tuple[list[int], list[int]]]:
     """Per question: the chat prompt's ids and transformers' greedy answer (EOS dropped)."""
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    answers = {}
-    with torch.inference_mode():
-        for question in QUESTIONS:
-            ids = chat_ids(tokenizer, question)
-            out = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                top_p=None,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            answer = _until_eos(out.sequences[0, len(ids) :].tolist())
-            answers[question] = (ids, answer)
-            # A near-tie could flip with any correct kernel: the test would be unfair.
-            top2 = torch.stack(out.logits)[: len(answer), 0].topk(2).values
-            assert (top2[:, 0] - top2[:, 1]).min() > 1e-3, question
-    return answers
+    threads = torch.get_num_threads()
+    # One thread: a parallel region stalls whenever another process (the engine's stages,
+    # a neighbour) takes one of the cores; on two cores that made it 7x slower.
+    torch.set_num_threads(1)
+    try:
+        return {q: _greedy_answer(model, chat_ids(tokenizer, q)) for q in QUESTIONS}
+    finally:
+        torch.set_num_threads(threads)
+
+
+@torch.inference_mode()
+def _greedy_answer(model, ids: list[int]) -> tuple[list[int], list[int]]:
+    out = model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=MAX_TOKENS,
+        do_sample=False,
+        top_p=None,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    answer = _until_eos(out.sequences[0, len(ids) :].tolist())
+    # A near-tie could flip with any correct kernel: the test would be unfair.
+    top2 = torch.stack(out.logits)[: len(answer), 0].topk(2).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-3, (ids, answer)
+    return ids, answer
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
