@@ -9,9 +9,10 @@ the CPU, ``hf-generate`` runs with the faster of one thread and all of them in i
 as each engine's executor chooses per size of step. On CUDA the engines share the device
 (``--gpu-memory-utilization``, by default 0.85 split between the rows). Engines run greedy
 with ``ignore_eos``; HF gets the prompts left-padded in one batch, greedy, with
-``min_new_tokens = max_new_tokens``, on the same device and dtype, so both generate the same
-number of tokens. ``--mixed`` gives the requests output lengths from 8 to 256; HF's static
-batch then runs to the longest, and its tokens/s counts only the tokens asked for.
+``min_new_tokens = max_new_tokens``, on the same device and dtype (``--dtype`` sets both), so
+both generate the same number of tokens. ``--mixed`` gives the requests output lengths from 8
+to 256; HF's static batch then runs to the longest, and its tokens/s counts only the tokens
+asked for.
 
 Reported: median tokens/s, the ratio to the serial runtime measured in the same run, and for
 each engine its step breakdown over the timed rounds (medians): the step period, the
@@ -313,6 +314,8 @@ def run_model(model: str, args: argparse.Namespace, report: Report) -> list[dict
         info = next(iter(rows.values())).engine.model if rows else None
         device = info.device if info else ("cpu" if args.device == "auto" else args.device)
         dtype = info.dtype if info else "float32"
+        if info is None and args.dtype not in (None, "auto"):  # hf-generate rows only
+            dtype = args.dtype
         for name in args.runtimes:
             base, threads, _ = row_spec(name)
             if base == HF_ROW:
@@ -505,6 +508,14 @@ def main() -> None:
         help="torch threads of every executor and of hf-generate (default: each engine's "
         "choice per runtime; torch's for hf-generate)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default=None,
+        help="every engine's dtype, and hf-generate's (default: the engines' own, float32 on "
+        "the CPU; bfloat16 halves the weights read per step and uses the CPU's bfloat16 "
+        "instructions where it has them)",
+    )
     parser.add_argument("--kv-cache-bytes", type=int, default=None, help="engine KV cache (CPU)")
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -529,6 +540,8 @@ def main() -> None:
         args.engine["num_threads"] = args.num_threads
     if args.kv_cache_bytes:
         args.engine["kv_cache_bytes"] = args.kv_cache_bytes
+    if args.dtype:
+        args.engine["dtype"] = args.dtype
     num_engines = sum(row_spec(name)[0] != HF_ROW for name in args.runtimes)
     has_hf = num_engines < len(args.runtimes)
     share = args.gpu_memory_utilization or gpu_share(args.device, num_engines, has_hf)

@@ -75,10 +75,10 @@ def choose_backend(
         if not lib.supports(cache, num_heads):
             _, kv_heads, _, block_size, head_dim = cache.shape
             raise ValueError(
-                f"native attention takes float32 CPU caches, head_dim <= {lib.max_head_dim}, "
-                f"block_size <= {lib.max_block_size} and at most {lib.max_group} query heads "
-                f"per KV head, not {device} {cache.dtype}, head_dim {head_dim}, block_size "
-                f"{block_size}, {num_heads} heads over {kv_heads}"
+                f"native attention takes float32 or bfloat16 CPU caches, head_dim <= "
+                f"{lib.max_head_dim}, block_size <= {lib.max_block_size} and at most "
+                f"{lib.max_group} query heads per KV head, not {device} {cache.dtype}, head_dim "
+                f"{head_dim}, block_size {block_size}, {num_heads} heads over {kv_heads}"
             )
     return requested
 

@@ -23,6 +23,7 @@ import torch
 
 from mpengine.config import EngineConfig
 from mpengine.envs import InjectedFault, fault_seqs, fault_steps
+from mpengine.executor import linear
 from mpengine.executor.attention import METADATA_KWARG, Backend, choose_backend
 from mpengine.executor.compiled import CompiledDecode
 from mpengine.executor.encoder import Encoder
@@ -98,6 +99,8 @@ class Executor:
             )
         self.model = self.loaded.model
         self.device = self.loaded.device
+        if self.device.type == "cpu":
+            linear.install(self.model)  # decode steps' few rows: W @ x^T (see linear.py)
         spec = KVCacheSpec(
             num_layers=self.loaded.num_layers,
             num_kv_heads=self.loaded.num_kv_heads,

@@ -1,6 +1,6 @@
-/* Paged attention for the CPU, float32: the cache writes and the decode attention of the
- * `native` backend (mpengine/executor/native_attention.py builds this file on first use
- * with the system's C compiler and calls it through ctypes).
+/* Paged attention for the CPU, float32 or bfloat16: the cache writes and the decode
+ * attention of the `native` backend (mpengine/executor/native_attention.py builds this file
+ * on first use with the system's C compiler and calls it through ctypes).
  *
  * A layer's cache is [2, kv_heads, blocks, block_size, head_dim] (keys, then values),
  * addressed through element strides with a unit stride on head_dim, as are the queries,
@@ -14,6 +14,12 @@
  * A work item is inlined into copies with a constant head_dim for the usual sizes, so the
  * compiler unrolls their loops; where head_dim and the block size are multiples of 16,
  * scores come 16 keys at a time (`scores16`).
+ *
+ * bfloat16 caches, queries and outputs (a model run in bfloat16) go through the same code:
+ * each element is widened to float32 as it is loaded (a 16-bit shift), every product, sum
+ * and the softmax stay in float32, and outputs are rounded to bfloat16 (to nearest even)
+ * once, as torch's attention does for bfloat16 inputs. The element type is a constant of
+ * each entry point, so the compiler makes one copy of the work item per type.
  */
 #include <stdint.h>
 #include <string.h>
@@ -22,6 +28,45 @@
 #define MAX_DIM 256
 #define MAX_BLOCK 128
 #define NEG_BIG (-3.0e38f)
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_f32(bf16_t x) {
+    union {
+        uint32_t i;
+        float f;
+    } u;
+    u.i = (uint32_t)x << 16;
+    return u.f;
+}
+
+/* Rounded to nearest even, as torch converts; NaN stays NaN (quiet). */
+static inline bf16_t f32_to_bf16(float x) {
+    union {
+        float f;
+        uint32_t i;
+    } u;
+    u.f = x;
+    if ((u.i & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u.i >> 16) | 0x40);
+    u.i += 0x7fffu + ((u.i >> 16) & 1u);
+    return (bf16_t)(u.i >> 16);
+}
+
+/* Element i of an array of float32 (bf16 == 0) or bfloat16 values, as a float; the flag is
+ * a constant wherever this is inlined, so no branch is left. */
+static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_f32(((const bf16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) int64_t elem_size(const int bf16) {
+    return bf16 ? (int64_t)sizeof(bf16_t) : (int64_t)sizeof(float);
+}
+
+/* The address of element i of such an array. */
+static inline __attribute__((always_inline)) const void *at(const void *p, int64_t i,
+                                                           const int bf16) {
+    return (const char *)p + i * elem_size(bf16);
+}
 
 /* exp(x) for x <= 0, vectorisable: x log2(e) split into an integer n and f in [-0.5, 0.5],
  * 2^f by a degree-6 polynomial (relative error ~2e-7), 2^n through the exponent bits.
@@ -50,7 +95,7 @@ static inline float exp_nonpos(float x) {
 }
 
 #if defined(__has_builtin)
-#if __has_builtin(__builtin_shufflevector)
+#if __has_builtin(__builtin_shufflevector) && __has_builtin(__builtin_convertvector)
 #define HAVE_V16 1
 #endif
 #endif
@@ -58,19 +103,30 @@ static inline float exp_nonpos(float x) {
 #if HAVE_V16
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16u __attribute__((vector_size(32), aligned(2), may_alias));
+
+/* 16 consecutive elements from p (float32 or bfloat16) as float32 lanes. */
+static inline __attribute__((always_inline)) v16 load16(const void *p, const int bf16) {
+    if (!bf16) return *(const v16u *)p;
+    const u32x16 wide = __builtin_convertvector(*(const u16x16u *)p, u32x16) << 16;
+    v16 out;
+    __builtin_memcpy(&out, &wide, sizeof(out));
+    return out;
+}
 
 /* Dot products of q with 16 keys: each key's 16-lane partial products, then the 16 vectors
  * summed lane-wise into one by a transposing tree (pairs of vectors halve their lanes four
  * times), instead of 16 horizontal reductions. out[j] = q . keys[j * stride]. */
-static inline __attribute__((always_inline)) void scores16(const float *q, const float *keys,
+static inline __attribute__((always_inline)) void scores16(const float *q, const void *keys,
                                                            int64_t stride, int64_t dim,
-                                                           float *out) {
+                                                           float *out, const int bf16) {
     v16 t[16];
     for (int j = 0; j < 16; j++) {
-        const float *kj = keys + j * stride;
-        v16 acc = *(const v16u *)q * *(const v16u *)kj;
+        const void *kj = at(keys, j * stride, bf16);
+        v16 acc = *(const v16u *)q * load16(kj, bf16);
         for (int64_t d = 16; d < dim; d += 16)
-            acc += *(const v16u *)(q + d) * *(const v16u *)(kj + d);
+            acc += *(const v16u *)(q + d) * load16(at(kj, d, bf16), bf16);
         t[j] = acc;
     }
     v16 u[8], w[4], x[2];
@@ -103,56 +159,72 @@ int64_t mpengine_max_head_dim(void) { return MAX_DIM; }
 int64_t mpengine_max_block_size(void) { return MAX_BLOCK; }
 
 /* Writes the keys and values of `num_tokens` tokens ([tokens, kv_heads, head_dim] through
- * strides) into cache rows `slots` (block * block_size + offset); a negative slot is
- * skipped. */
-void mpengine_store_kv_f32(const float *key, int64_t k_tok, int64_t k_head, const float *value,
-                           int64_t v_tok, int64_t v_head, const int64_t *slots, int64_t num_tokens,
-                           float *cache, int64_t c_kv, int64_t c_head, int64_t c_block,
-                           int64_t c_pos, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size) {
-    const size_t bytes = (size_t)head_dim * sizeof(float);
+ * strides, the cache's element type) into cache rows `slots` (block * block_size + offset);
+ * a negative slot is skipped. */
+static inline __attribute__((always_inline)) void store_kv(
+    const void *key, int64_t k_tok, int64_t k_head, const void *value, int64_t v_tok,
+    int64_t v_head, const int64_t *slots, int64_t num_tokens, void *cache, int64_t c_kv,
+    int64_t c_head, int64_t c_block, int64_t c_pos, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, const int bf16) {
+    const size_t bytes = (size_t)(head_dim * elem_size(bf16));
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
-        float *row = cache + (slot / block_size) * c_block + (slot % block_size) * c_pos;
+        void *row = (void *)at(cache, (slot / block_size) * c_block + (slot % block_size) * c_pos,
+                               bf16);
         for (int64_t h = 0; h < num_kv_heads; h++) {
-            memcpy(row + h * c_head, key + t * k_tok + h * k_head, bytes);
-            memcpy(row + c_kv + h * c_head, value + t * v_tok + h * v_head, bytes);
+            memcpy((void *)at(row, h * c_head, bf16), at(key, t * k_tok + h * k_head, bf16),
+                   bytes);
+            memcpy((void *)at(row, c_kv + h * c_head, bf16),
+                   at(value, t * v_tok + h * v_head, bf16), bytes);
         }
     }
 }
 
+#define STORE_KV_ENTRY(NAME, BF16)                                                            \
+    void NAME(const void *key, int64_t k_tok, int64_t k_head, const void *value, int64_t v_tok, \
+              int64_t v_head, const int64_t *slots, int64_t num_tokens, void *cache,          \
+              int64_t c_kv, int64_t c_head, int64_t c_block, int64_t c_pos,                  \
+              int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {                  \
+        store_kv(key, k_tok, k_head, value, v_tok, v_head, slots, num_tokens, cache, c_kv,    \
+                 c_head, c_block, c_pos, num_kv_heads, head_dim, block_size, BF16);           \
+    }
+STORE_KV_ENTRY(mpengine_store_kv_f32, 0)
+STORE_KV_ENTRY(mpengine_store_kv_bf16, 1)
+
 /* One work item: decode i's query heads g * group ... (g + 1) * group - 1 against kv head g.
  * Inlined into copies with a constant `dim` for the common head sizes, where the compiler
  * unrolls the head_dim loops into a few vector operations (specialising the query heads
- * per kv head too gained under 7 % more, for a build four times as long). */
+ * per kv head too gained under 7 % more, for a build four times as long), and with a
+ * constant element type (`bf16`). */
 static inline __attribute__((always_inline)) void decode_item(
-    const float *query, int64_t q_tok, int64_t q_head, int64_t row, const float *cache,
+    const void *query, int64_t q_tok, int64_t q_head, int64_t row, const void *cache,
     int64_t c_kv, int64_t c_head, int64_t c_block, int64_t c_pos, const int32_t *table,
     int64_t ctx, int64_t g, const int64_t group, const int64_t dim, int64_t bs, float scale,
-    float *out, int64_t o_tok, int64_t o_head) {
+    void *out, int64_t o_tok, int64_t o_head, const int bf16) {
     /* Scratch sized by the model, not by the limits: OpenMP threads' stacks may be small
      * (OMP_STACKSIZE). */
     float qs[group][dim], acc[group][dim], p[group][bs], m[group], l[group];
     for (int64_t h = 0; h < group; h++) {
-        const float *q = query + row * q_tok + (g * group + h) * q_head;
+        const void *q = at(query, row * q_tok + (g * group + h) * q_head, bf16);
         for (int64_t d = 0; d < dim; d++) {
-            qs[h][d] = q[d] * scale;
+            qs[h][d] = load(q, d, bf16) * scale;
             acc[h][d] = 0.0f;
         }
         m[h] = NEG_BIG;
         l[h] = 0.0f;
     }
-    const float *keys = cache + g * c_head, *values = cache + c_kv + g * c_head;
+    const void *keys = at(cache, g * c_head, bf16), *values = at(cache, c_kv + g * c_head, bf16);
     for (int64_t start = 0; start < ctx; start += bs) {
         const int64_t block = table[start / bs];
         const int64_t n = ctx - start < bs ? ctx - start : bs;
-        const float *k = keys + block * c_block, *v = values + block * c_block;
+        const void *k = at(keys, block * c_block, bf16), *v = at(values, block * c_block, bf16);
         if (start + bs < ctx) { /* the next block's keys and values, while this one runs */
             const int64_t next = table[start / bs + 1];
-            const char *nk = (const char *)(keys + next * c_block);
-            const char *nv = (const char *)(values + next * c_block);
-            const int64_t rest = ctx - start - bs, bytes = (rest < bs ? rest : bs) * c_pos * 4;
+            const char *nk = (const char *)at(keys, next * c_block, bf16);
+            const char *nv = (const char *)at(values, next * c_block, bf16);
+            const int64_t rest = ctx - start - bs;
+            const int64_t bytes = (rest < bs ? rest : bs) * c_pos * elem_size(bf16);
             for (int64_t b = 0; b < bytes; b += 64) {
                 __builtin_prefetch(nk + b);
                 __builtin_prefetch(nv + b);
@@ -165,14 +237,14 @@ static inline __attribute__((always_inline)) void decode_item(
         if (dim % 16 == 0 && bs % 16 == 0)
             for (; j < n; j += 16)
                 for (int64_t h = 0; h < group; h++)
-                    scores16(qs[h], k + j * c_pos, c_pos, dim, &p[h][j]);
+                    scores16(qs[h], at(k, j * c_pos, bf16), c_pos, dim, &p[h][j], bf16);
 #endif
         for (; j < n; j++) {
-            const float *kj = k + j * c_pos;
+            const void *kj = at(k, j * c_pos, bf16);
             for (int64_t h = 0; h < group; h++) {
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < dim; d++) dot += qs[h][d] * kj[d];
+                for (int64_t d = 0; d < dim; d++) dot += qs[h][d] * load(kj, d, bf16);
                 p[h][j] = dot;
             }
         }
@@ -193,37 +265,41 @@ static inline __attribute__((always_inline)) void decode_item(
             for (int64_t d = 0; d < dim; d++) acc[h][d] *= rescale;
         }
         for (int64_t j = 0; j < n; j++) {
-            const float *vj = v + j * c_pos;
+            const void *vj = at(v, j * c_pos, bf16);
             for (int64_t h = 0; h < group; h++) {
                 const float w = p[h][j];
                 float *a = acc[h];
 #pragma omp simd
-                for (int64_t d = 0; d < dim; d++) a[d] += w * vj[d];
+                for (int64_t d = 0; d < dim; d++) a[d] += w * load(vj, d, bf16);
             }
         }
     }
     for (int64_t h = 0; h < group; h++) {
-        float *o = out + row * o_tok + (g * group + h) * o_head;
+        const int64_t o = row * o_tok + (g * group + h) * o_head;
         const float inv = 1.0f / l[h];
-        for (int64_t d = 0; d < dim; d++) o[d] = acc[h][d] * inv;
+        for (int64_t d = 0; d < dim; d++) {
+            if (bf16)
+                ((bf16_t *)out)[o + d] = f32_to_bf16(acc[h][d] * inv);
+            else
+                ((float *)out)[o + d] = acc[h][d] * inv;
+        }
     }
 }
 
 #define ITEM(DIM)                                                                             \
     decode_item(query, q_tok, q_head, row, cache, c_kv, c_head, c_block, c_pos, table, ctx, g, \
-                group, DIM, bs, scale, out, o_tok, o_head)
+                group, DIM, bs, scale, out, o_tok, o_head, bf16)
 
 /* Attention of `num_seqs` decodes (one query each). Decode i reads query row rows[i]
  * (rows == NULL: row i), attends to its first context[i] keys, found through
- * block_table[i * bt_stride + position / block_size], and writes output row rows[i]. */
-void mpengine_decode_attention_f32(const float *query, int64_t q_tok, int64_t q_head,
-                                   const int64_t *rows, const float *cache, int64_t c_kv,
-                                   int64_t c_head, int64_t c_block, int64_t c_pos,
-                                   const int32_t *block_table, int64_t bt_stride,
-                                   const int64_t *context, int64_t num_seqs, int64_t num_heads,
-                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                   float scale, float *out, int64_t o_tok, int64_t o_head,
-                                   int num_threads) {
+ * block_table[i * bt_stride + position / block_size], and writes output row rows[i].
+ * Queries, cache and output share one element type. */
+static inline __attribute__((always_inline)) void decode_attention(
+    const void *query, int64_t q_tok, int64_t q_head, const int64_t *rows, const void *cache,
+    int64_t c_kv, int64_t c_head, int64_t c_block, int64_t c_pos, const int32_t *block_table,
+    int64_t bt_stride, const int64_t *context, int64_t num_seqs, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, void *out,
+    int64_t o_tok, int64_t o_head, int num_threads, const int bf16) {
     const int64_t group = num_heads / num_kv_heads, dim = head_dim, bs = block_size;
     const int64_t items = num_seqs * num_kv_heads;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -239,3 +315,17 @@ void mpengine_decode_attention_f32(const float *query, int64_t q_tok, int64_t q_
         }
     }
 }
+
+#define DECODE_ENTRY(NAME, BF16)                                                              \
+    void NAME(const void *query, int64_t q_tok, int64_t q_head, const int64_t *rows,          \
+              const void *cache, int64_t c_kv, int64_t c_head, int64_t c_block, int64_t c_pos, \
+              const int32_t *block_table, int64_t bt_stride, const int64_t *context,          \
+              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,    \
+              int64_t block_size, float scale, void *out, int64_t o_tok, int64_t o_head,      \
+              int num_threads) {                                                              \
+        decode_attention(query, q_tok, q_head, rows, cache, c_kv, c_head, c_block, c_pos,     \
+                         block_table, bt_stride, context, num_seqs, num_heads, num_kv_heads,  \
+                         head_dim, block_size, scale, out, o_tok, o_head, num_threads, BF16); \
+    }
+DECODE_ENTRY(mpengine_decode_attention_f32, 0)
+DECODE_ENTRY(mpengine_decode_attention_bf16, 1)
