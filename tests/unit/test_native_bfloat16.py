@@ -71,5 +71,5 @@ def test_native_refuses_a_mismatched_dtype() -> None:
         pytest.skip("no C compiler")
     cache = torch.zeros(2, 2, 4, 8, 16, dtype=torch.bfloat16)
     key = torch.randn(2, 1, 16)
-    with pytest.raises(TypeError, match="float32 tensor for a torch.bfloat16 cache"):
+    with pytest.raises(TypeError, match=r"float32 tensor for a torch\.bfloat16 cache"):
         native_attention.store_kv(cache, torch.tensor([0]), key, key)
