@@ -45,8 +45,8 @@ from types import TracebackType
 
 import posix_ipc
 
-from shm.ring import SPIN_S, wait_until
 from shm.segment import Segment, close_semaphore, create_semaphore, open_semaphore
+from shm.wait import SPIN_S, wait_until
 
 MAGIC = int.from_bytes(b"mpe-lock", "little")
 VERSION = 1

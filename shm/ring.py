@@ -60,11 +60,11 @@ helper).
 cursor (cheap: the line stays in its cache until it changes), then sets its
 sleeping flag, re-checks, and sleeps on its semaphore (``<name>.d``: data
 available, ``<name>.s``: space available); the spin budget adapts between
-``spin_s`` and an eighth of it (see ``SPIN_S``). After every publish the other
+``spin_s`` and an eighth of it (see ``shm.wait``). After every publish the other
 side posts the semaphore if the flag is set. This is Dekker's pattern, and TSO
 *may* let each side's flag or cursor store wait in the store buffer past its
 following load, so both can miss each other: a lost wake-up. It is made
-harmless rather than impossible: a sleeper re-checks after ``WAIT_SLICE_S``,
+harmless rather than impossible: a sleeper re-checks after ``shm.wait.WAIT_SLICE_S``,
 then after slices that double up to ``MAX_WAIT_SLICE_S`` (an idle waiter wakes
 rarely; a busy one re-checks often), so a lost wake-up costs at most one slice
 (``num_missed_wakeups`` counts slices that expired with the wait already over:
@@ -79,14 +79,11 @@ import ctypes
 from time import perf_counter
 from typing import TYPE_CHECKING
 
-import posix_ipc
-
 from shm.segment import Segment, close_semaphore, create_semaphore, open_semaphore
+from shm.wait import SPIN_S, wait_until
 
 if TYPE_CHECKING:
     from types import TracebackType
-
-    from shm.lockstep import Lockstep
 
 Frame = bytes | bytearray | memoryview
 
@@ -95,23 +92,6 @@ VERSION = 1
 NO_SKIP = (1 << 64) - 1  # skip cursor value before the first skip
 HEADER_SIZE = 320
 _WCUR, _SKIP, _RCUR, _CWAIT, _PWAIT = 64, 72, 128, 192, 256
-
-# Spin budget before sleeping. Spinning pays only while the other side has a CPU to answer on.
-# Ring ping-pong of 1 KiB frames on the 2-core VM (tools/bench_ipc.py; medians of hops):
-# - a core free for each side: a spin of 20 us or more caught nearly every hop (3.3 us);
-#   sleeping every time cost 25 us (the futex wake-up and the switch across cores);
-# - oversubscribed (other jobs kept the load average at 4-6): sleeping 9-11 us, spinning
-#   50 us 61 us (the spinner held the CPU its peer needed), spinning with sched_yield 5 us,
-#   but 2 ms beside two CPU hogs (a yield hands a hog a whole time slice).
-# Hence no yield, and a budget that adapts: a wait that ends within the spin restores the full
-# budget, one that has to sleep halves it, down to an eighth (6 us, still above a fast hop).
-# Oversubscribed, the adaptive 50 us measured 16-19 us; with free cores it stays at 50 us.
-SPIN_S = 50e-6
-# How long a sleeper waits before its first re-check, and the most its later slices grow
-# to: they bound the cost of a lost wake-up (small while waits are short, as in a busy
-# pipeline) and the idle cost of re-checking (about 30 wake-ups a second at most).
-WAIT_SLICE_S = 0.002
-MAX_WAIT_SLICE_S = 0.032
 
 
 class Ring:
@@ -373,56 +353,6 @@ class _FrameView:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.ring._release_view()
-
-
-def wait_until(
-    cursor: ctypes.c_uint64,
-    target: int,
-    flag: ctypes.c_uint64,
-    sem: posix_ipc.Semaphore,
-    waiter: Ring | Lockstep,
-    deadline: float,
-) -> int:
-    """Spin, then sleep, until ``cursor >= target``; return the cursor, or -1 at ``deadline``.
-
-    The spin adapts (see ``SPIN_S``): a wait that ends within the spin restores the full
-    budget ``waiter.spin_s``, one that has to sleep halves it, down to an eighth.
-    """
-    now = perf_counter()
-    budget = waiter.spin_budget_s
-    spin_end = min(now + budget, deadline)
-    while True:
-        value = cursor.value
-        if value >= target:
-            waiter.spin_budget_s = waiter.spin_s
-            return value
-        if now >= spin_end:
-            break
-        now = perf_counter()
-    if now >= deadline:
-        return -1
-    waiter.spin_budget_s = max(budget * 0.5, waiter.spin_s * 0.125)
-    flag.value = 1  # from here the other side posts after each publish
-    slice_s = WAIT_SLICE_S
-    try:
-        while True:
-            value = cursor.value
-            if value >= target:
-                return value
-            remaining = deadline - perf_counter()
-            if remaining <= 0:
-                return -1
-            waiter.num_sleeps += 1
-            try:
-                sem.acquire(min(remaining, slice_s))
-            except posix_ipc.BusyError:
-                if cursor.value >= target:
-                    waiter.num_missed_wakeups += 1
-                slice_s = min(slice_s * 2, MAX_WAIT_SLICE_S)
-            except posix_ipc.SignalError:
-                pass  # as PEP 475: the handler has run; re-check, then wait on
-    finally:
-        flag.value = 0
 
 
 def _deadline(timeout: float | None) -> float:

@@ -82,7 +82,7 @@ def model_path(name: str) -> str:
             )
         return str(path)
     from mpengine.models.resolve import resolve_model
-    from mpengine.testing.tiny import KNOWN_MODELS
+    from mpengine.models.tiny import KNOWN_MODELS
 
     if name in SHAPES.values() and name not in KNOWN_MODELS:
         raise SystemExit(f"this mpengine has no built-in model {name!r} for --shape")

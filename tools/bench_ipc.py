@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import shm
-from shm.ring import SPIN_S
+from shm.wait import SPIN_S
 
 RING_CAPACITY = 8 << 20
 Send = Callable[[bytes], None]

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from mpengine.models.tiny_tokenizer import QWEN3_TOKENIZER, corpus_texts, write_tokenizer
 from mpengine.output import OutputProcessor
 from mpengine.protocol import Array, Logprobs, NewRequest, SamplingParams, StepResult
-from mpengine.testing.tiny_tokenizer import QWEN3_TOKENIZER, corpus_texts, write_tokenizer
 
 
 def main() -> None:

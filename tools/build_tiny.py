@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from mpengine.models.resolve import resolve_model
-from mpengine.testing.tiny import KNOWN_MODELS, build, greedy_margins
+from mpengine.models.tiny import KNOWN_MODELS, build, greedy_margins
 
 CHECK_PROMPTS = (
     "The lighthouse keeper counted the steps",

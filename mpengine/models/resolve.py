@@ -35,7 +35,7 @@ def resolve_model(name: str) -> str:
     if name in PACKAGED_MODELS:
         return gguf.convert_once(PACKAGED_MODELS[name].path(name))
     if name in TINY_MODELS:
-        from mpengine.testing.tiny import built_model
+        from mpengine.models.tiny import built_model
 
         return built_model(name)
     if not looks_like_path(name):

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from mpengine.errors import EngineDeadError, InvalidRequestError
 from mpengine.metrics import ServerMetrics
 from mpengine.models.resolve import resolve_model
+from mpengine.models.tiny_tokenizer import sentencepiece_tokenizer
 from mpengine.protocol import EngineStats, SamplingParams
 from mpengine.server.chat import tokenize_chat
 from mpengine.server.completions import _prompts
@@ -38,7 +39,6 @@ from mpengine.server.text import (
     load_chat_template,
     message_dicts,
 )
-from mpengine.testing.tiny_tokenizer import sentencepiece_tokenizer
 
 
 @pytest.mark.parametrize(

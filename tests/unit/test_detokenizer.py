@@ -6,6 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mpengine.models.tiny_tokenizer import (
+    GPT2_TOKENIZER,
+    LLAMA_TOKENIZER,
+    QWEN3_TOKENIZER,
+    sentencepiece_tokenizer,
+    write_tokenizer,
+)
 from mpengine.output.detokenizer import (
     MAX_PENDING_TOKENS,
     ByteStream,
@@ -13,13 +20,6 @@ from mpengine.output.detokenizer import (
     WindowStream,
 )
 from mpengine.protocol import PROMPT_TAIL_TOKENS
-from mpengine.testing.tiny_tokenizer import (
-    GPT2_TOKENIZER,
-    LLAMA_TOKENIZER,
-    QWEN3_TOKENIZER,
-    sentencepiece_tokenizer,
-    write_tokenizer,
-)
 
 # The tokenizers of the tiny models (tiny, tiny-llama, tiny-gpt2), built without torch.
 SPECS = {"qwen3": QWEN3_TOKENIZER, "llama": LLAMA_TOKENIZER, "gpt2": GPT2_TOKENIZER}

@@ -29,9 +29,9 @@ from mpengine.launch import (
     private_dir,
     sweep_stale_runtime_dirs,
 )
+from mpengine.models import tiny
 from mpengine.models.resolve import resolve_model
 from mpengine.runtime.entry import GOMP_SPINCOUNT, failure_message, openmp_defaults
-from mpengine.testing import tiny
 from shm.segment import pid_namespace
 
 launch_mod = importlib.import_module("mpengine.launch")  # mpengine.launch is also a function

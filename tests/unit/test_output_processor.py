@@ -11,6 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from mpengine.models.tiny_tokenizer import (
+    QWEN3_TOKENIZER,
+    sentencepiece_tokenizer,
+    write_tokenizer,
+)
 from mpengine.output import OutputProcessor
 from mpengine.protocol import (
     GONE_CLIENTS_PER_FEEDBACK,
@@ -24,11 +29,6 @@ from mpengine.protocol import (
     PromptLogprobs,
     SamplingParams,
     StepResult,
-)
-from mpengine.testing.tiny_tokenizer import (
-    QWEN3_TOKENIZER,
-    sentencepiece_tokenizer,
-    write_tokenizer,
 )
 
 Outputs = list[tuple[str, OutputDelta]]

@@ -20,9 +20,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from mpengine.models import tiny
 from mpengine.models.resolve import resolve_model
-from mpengine.testing import tiny
-from mpengine.testing.tiny import KNOWN_MODELS, build, greedy_margins
+from mpengine.models.tiny import KNOWN_MODELS, build, greedy_margins
 
 CAUSAL_ARCHS = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
 ALL_ARCHS = {**CAUSAL_ARCHS, "bert": "BertModel"}
@@ -191,7 +191,7 @@ def test_tokenizer_training_is_deterministic_across_processes(
 ) -> None:
     # A fresh process has fresh hash seeds and thread pools: the risk for BPE training.
     code = (
-        "import sys; from pathlib import Path; from mpengine.testing import tiny_tokenizer as t\n"
+        "import sys; from pathlib import Path; from mpengine.models import tiny_tokenizer as t\n"
         "for arch in ('qwen3', 'llama', 'gpt2', 'bert'):\n"
         "    d = Path(sys.argv[1]) / arch; d.mkdir()\n"
         "    t.write_tokenizer(getattr(t, arch.upper() + '_TOKENIZER'), d)\n"

@@ -42,10 +42,10 @@ from transformers import (
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
+import mpengine.models.tiny_tokenizer as tiny_tokenizer
 from mpengine.models.builtin import TINY_MODELS
 from mpengine.models.cache import build_once, cache_root
-from mpengine.testing import tiny_tokenizer
-from mpengine.testing.tiny_tokenizer import (
+from mpengine.models.tiny_tokenizer import (
     BERT_TOKENIZER,
     GPT2_TOKENIZER,
     LLAMA_TOKENIZER,
