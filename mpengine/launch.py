@@ -65,7 +65,7 @@ from mpengine.protocol import (
     control_decoder,
     encoder,
 )
-from mpengine.runtime.diagnose import ENGINE_FILE, write_engine_file
+from mpengine.runtime.engine_file import ENGINE_FILE, write_engine_file
 from mpengine.runtime.stage import ABORT_SIGNAL, DRAIN_SIGNAL, STOP_SIGNAL
 from shm import Lockstep, Ring, sweep_stale
 from shm.reaper import Leftovers, Reaper, remove_ipc_files

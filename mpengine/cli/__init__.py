@@ -1,10 +1,11 @@
 """``mpengine generate | chat | embed | serve | stats | stacks | top``: the command line.
 
-One module per command (``generate``, ``chat``, ``embed``, ``serve`` with ``stats``), the
-flags they share in ``args`` (engine flags map one to one onto ``EngineConfig`` fields,
-``--max-num-seqs`` -> ``max_num_seqs``, their help from ``config.HELP``), and in ``remote``
-the engine ``generate`` and ``chat`` talk to (launched, or running: IPC or HTTP). Here:
-the parser and ``main``, which turns what users cause into one line and an exit status.
+One module per command (``generate``, ``chat``, ``embed``, ``serve`` with ``stats``,
+``stacks``, ``top``), the flags they share in ``args`` (engine flags map one to one onto
+``EngineConfig`` fields, ``--max-num-seqs`` -> ``max_num_seqs``, their help from
+``config.HELP``), and in ``remote`` the engine ``generate`` and ``chat`` talk to (launched,
+or running: IPC or HTTP). Here: the parser and ``main``, which turns what users cause into
+one line and an exit status.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from mpengine.cli import chat, embed, generate, serve
+from mpengine.cli import chat, embed, generate, serve, stacks, top
 from mpengine.cli.args import config_from_args, parse_bytes
 from mpengine.errors import (
     EngineDeadError,
@@ -25,7 +26,6 @@ from mpengine.errors import (
     InvalidRequestError,
     RequestFailedError,
 )
-from mpengine.runtime.diagnose import add_stacks_args, add_top_args, cmd_stacks, cmd_top
 
 __all__ = ["build_parser", "config_from_args", "main", "parse_bytes"]
 
@@ -44,12 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_parser(sub)
     embed.add_parser(sub)
     serve.add_parsers(sub)  # serve, stats
-    stacks = sub.add_parser("stacks", help="print every thread's stack of each engine process")
-    add_stacks_args(stacks)
-    stacks.set_defaults(func=cmd_stacks)
-    top = sub.add_parser("top", help="a live view of a running engine (--once: one screen)")
-    add_top_args(top)
-    top.set_defaults(func=cmd_top)
+    stacks.add_parser(sub)
+    top.add_parser(sub)
     return parser
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import re
+import socket
 import sys
 import types
 import typing
@@ -16,6 +18,7 @@ from decimal import Decimal
 
 import msgspec
 
+from mpengine.addresses import connectable
 from mpengine.config import HELP, EngineConfig
 from mpengine.envs import TOKEN_FILE_HELP, auth_token
 
@@ -331,3 +334,34 @@ def add_address_args(parser: argparse.ArgumentParser, what: str) -> None:
         default=30.0,
         help="seconds to wait for the running engine to answer the handshake (default: 30)",
     )
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number of seconds above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
+def check_address(address: str) -> None:
+    """Exit with one line unless ``address`` is an engine's address (an ipc socket that
+    exists): a client would wait out its whole handshake timeout."""
+    if not address.startswith(("ipc://", "tcp://")):
+        raise SystemExit(f"mpengine: {address!r} is not an ipc:// or tcp:// address")
+    if not address.startswith("ipc://"):
+        return
+    path = connectable(address).removeprefix("ipc://")
+    if not os.path.exists(path):
+        raise SystemExit(f"mpengine: no engine at {address}: {path} does not exist")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:  # a socket file left by an engine that was killed
+            raise SystemExit(f"mpengine: no engine at {address}: nothing listens there") from None
+        except OSError:
+            pass  # the client's own attempt will say what is wrong

@@ -69,8 +69,8 @@ def engine_client(args: argparse.Namespace) -> Iterator[Any]:
         with contextlib.closing(HttpClient(address, api_key, args.timeout, model)) as client:
             yield client
         return
+    from mpengine.cli.args import check_address
     from mpengine.client.sync_client import Client
-    from mpengine.runtime.diagnose import check_address
 
     if model is not None:
         raise SystemExit(

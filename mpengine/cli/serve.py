@@ -10,11 +10,12 @@ from mpengine.cli.args import (
     add_engine_args,
     add_model_arg,
     auth_token_from_args,
+    check_address,
     config_from_args,
+    positive_float,
     take_model_tag,
 )
 from mpengine.envs import TOKEN_FILE_HELP
-from mpengine.runtime.diagnose import check_address, positive_float
 from mpengine.server.options import add_serve_args
 
 

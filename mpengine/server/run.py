@@ -31,7 +31,7 @@ import uvicorn
 from mpengine.config import EngineConfig
 from mpengine.launch import Engine
 from mpengine.metrics import ServerMetrics
-from mpengine.runtime.diagnose import ipc_dir, read_engine_file, write_engine_file
+from mpengine.runtime.engine_file import ipc_dir, read_engine_file, write_engine_file
 from mpengine.runtime.notify import Notifier
 from mpengine.runtime.stage import STACKS_SIGNAL, configure_logging
 from mpengine.server.app import Cors, build_app

@@ -16,8 +16,9 @@ import pytest
 
 import mpengine
 from mpengine import SamplingParams
+from mpengine.cli.top import Sample, render_top, verdict
 from mpengine.protocol import EngineStats, StageTimes
-from mpengine.runtime.diagnose import Sample, render_top, verdict, write_engine_file
+from mpengine.runtime.engine_file import write_engine_file
 
 STAGES = ("scheduler", "executor", "output")
 WAIT_S = 30.0

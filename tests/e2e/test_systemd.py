@@ -22,7 +22,7 @@ import pytest
 
 import mpengine
 from mpengine import SamplingParams
-from mpengine.runtime.diagnose import find_engine
+from mpengine.runtime.engine_file import find_engine
 from mpengine.runtime.notify import Notifier
 from tests.e2e.test_server_cli import start
 
