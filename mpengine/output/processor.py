@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from struct import Struct
@@ -47,6 +46,7 @@ from mpengine.protocol import (
     Array,
     Feedback,
     FinishReason,
+    Logprobs,
     NewRequest,
     OutputDelta,
     PromptLogprobs,
@@ -92,6 +92,23 @@ class _Sequence:
     first_token_time: float = 0.0
     cumulative_logprob: float = 0.0
     held: list[OutputDelta] = field(default_factory=list)  # ranked requests only
+
+
+@dataclass(slots=True)
+class _StepNews:
+    """What one step's result produced: client deltas and the scheduler's feedback."""
+
+    now: float
+    finished_ids: list[int]  # with reasons: the sequences that ended (or were dropped)
+    reasons: list[FinishReason] = field(default_factory=list)
+    outputs: list[Output] = field(default_factory=list)
+    accepted_seqs: list[int] = field(default_factory=list)  # with accepted_tokens
+    accepted_tokens: list[int] = field(default_factory=list)
+    beam_steps: list[tuple[_Request, np.ndarray, np.ndarray]] = field(default_factory=list)
+
+    def finished(self, seq_id: int, reason: FinishReason) -> None:
+        self.finished_ids.append(seq_id)
+        self.reasons.append(reason)
 
 
 class OutputProcessor:
@@ -189,10 +206,9 @@ class OutputProcessor:
 
     def process(self, result: StepResult) -> tuple[Feedback, list[Output]]:
         """Handle one step's result; returns the scheduler's feedback and client deltas."""
-        now = time.time()
-        outputs: list[Output] = []
-        finished_ids, self._dropped = self._dropped, []
-        reasons: list[FinishReason] = ["abort"] * len(finished_ids)
+        step = _StepNews(now=time.time(), finished_ids=self._dropped)
+        step.reasons = ["abort"] * len(step.finished_ids)
+        self._dropped = []
 
         # 1. prompt logprobs
         for chunk in result.prompt_logprobs:
@@ -207,96 +223,104 @@ class OutputProcessor:
             if seq is not None:
                 # A beam fails its whole search: the others would wait for it forever.
                 group = self._open_seqs(seq.request) if seq.request.beams is not None else [seq]
-                self._fail(group, error, now, outputs, finished_ids, reasons)
+                self._fail(group, error, step)
 
         # 3. sampled tokens
-        seq_ids = result.seq_ids.numpy().tolist()
-        token_ids = result.token_ids.numpy().tolist()
+        self._take_tokens(result, step)
+
+        # 4. embeddings (the scheduler finished those sequences when it planned them)
+        if result.embeddings is not None:
+            vectors = result.embeddings.numpy()
+            for row, seq_id in enumerate(result.pooled_seq_ids.numpy().tolist()):
+                seq = self._seqs.get(seq_id)
+                if seq is not None:
+                    step.outputs += self._emit(seq, self._embedding(seq, vectors[row], step.now))
+
+        # 5. feedback
+        return self._feedback(result.step, step), step.outputs
+
+    def _take_tokens(self, result: StepResult, step: _StepNews) -> None:
+        """Each sampled token to its sequence (beam searches decide their step here)."""
         logprobs = result.logprobs
         rows: dict[int, int] = {}
         if logprobs is not None:
             rows = {pos: row for row, pos in enumerate(result.logprob_rows.numpy().tolist())}
-        accepted_seqs: list[int] = []
-        accepted_tokens: list[int] = []
-        beam_steps: list[tuple[_Request, np.ndarray, np.ndarray]] = []
+        seq_ids = result.seq_ids.numpy().tolist()
+        token_ids = result.token_ids.numpy().tolist()
         seqs = self._seqs
         for pos, (seq_id, token_id) in enumerate(zip(seq_ids, token_ids, strict=True)):
             seq = seqs.get(seq_id)
             if seq is None:  # finished, aborted or dropped: this token is never visible
                 continue
             request = seq.request
+            row = rows.get(pos)
             try:
                 if request.beams is not None:
-                    if logprobs is None or pos not in rows:
-                        continue  # (the executor always returns a beam's continuations)
-                    row = rows[pos]
-                    top_ids = logprobs.top_ids.numpy()[row]
-                    if request.beams.report(seq.index, top_ids, logprobs.top_logprobs.numpy()[row]):
-                        parents, tokens = request.beams.step()
-                        if request.beams.done:
-                            for delta_seq, delta in self._finish_beams(request, now):
-                                finished_ids.append(delta_seq)
-                                reasons.append(delta.finish_reason or "stop")
-                                if delta.index < request.msg.sampling.n:  # type: ignore[union-attr]
-                                    outputs.append((request.msg.client_id, delta))
-                        else:
-                            beam_steps.append((request, parents, tokens))
+                    # (the executor always returns a beam's continuations)
+                    if logprobs is not None and row is not None:
+                        self._beam_row(seq, logprobs, row, step)
                     continue
-                accepted_seqs.append(seq_id)
-                accepted_tokens.append(token_id)
-                delta = self._on_token(seq, token_id, now)
-                num_top = request.num_logprobs
-                if logprobs is not None and pos in rows:
-                    if num_top is not None:
-                        delta.logprobs = logprob_row(logprobs, rows[pos], num_top)
+                step.accepted_seqs.append(seq_id)
+                step.accepted_tokens.append(token_id)
+                delta = self._on_token(seq, token_id, step.now)
+                if logprobs is not None and row is not None:
+                    if request.num_logprobs is not None:
+                        delta.logprobs = logprob_row(logprobs, row, request.num_logprobs)
                     if request.ranked is not None:
-                        seq.cumulative_logprob += logprobs.logprobs.numpy()[rows[pos]].item()
+                        seq.cumulative_logprob += logprobs.logprobs.numpy()[row].item()
                 if request.prompt_logprobs_due and seq.index == 0:
                     self._attach_prompt_logprobs(seq, delta)
                 if delta.finish_reason is not None:
-                    finished_ids.append(seq_id)
-                    reasons.append(delta.finish_reason)
-                outputs += self._emit(seq, delta)
+                    step.finished(seq_id, delta.finish_reason)
+                step.outputs += self._emit(seq, delta)
             except Exception as exc:  # a bug, or input nothing checked: this request only
                 log.exception("request %s failed in the output processor", request.msg.request_id)
                 error = f"internal error in the output processor: {type(exc).__name__}: {exc}"
-                group = [s for s in self._open_seqs(request) if s.seq_id not in finished_ids]
-                self._fail(group, error, now, outputs, finished_ids, reasons)
+                finished = set(step.finished_ids)
+                group = [s for s in self._open_seqs(request) if s.seq_id not in finished]
+                self._fail(group, error, step)
 
-        # 4. embeddings (the scheduler finished those sequences when it planned them)
-        if result.embeddings is not None:
-            vectors = result.embeddings.numpy()
-            for row, seq_id in enumerate(result.pooled_seq_ids.numpy().tolist()):
-                seq = seqs.get(seq_id)
-                if seq is not None:
-                    outputs += self._emit(seq, self._embedding(seq, vectors[row], now))
+    def _beam_row(self, seq: _Sequence, logprobs: Logprobs, row: int, step: _StepNews) -> None:
+        """One beam's continuations; the last beam of a search reported decides its step."""
+        request = seq.request
+        beams: BeamGroup = request.beams  # type: ignore[assignment]
+        top_ids = logprobs.top_ids.numpy()[row]
+        if not beams.report(seq.index, top_ids, logprobs.top_logprobs.numpy()[row]):
+            return
+        parents, tokens = beams.step()
+        if not beams.done:
+            step.beam_steps.append((request, parents, tokens))
+            return
+        for delta_seq, delta in self._finish_beams(request, step.now):
+            step.finished(delta_seq, delta.finish_reason or "stop")
+            if delta.index < request.msg.sampling.n:  # type: ignore[union-attr]
+                step.outputs.append((request.msg.client_id, delta))
 
-        # 5. feedback
-        beam_seq_ids: list[int] = []
-        beam_parents: list[int] = []
-        beam_tokens: list[int] = []
-        for request, parents, tokens in beam_steps:
-            ids = request.msg.seq_ids
-            beam_seq_ids += ids
-            beam_parents += [ids[p] for p in parents.tolist()]
-            beam_tokens += tokens.tolist()
+    def _feedback(self, step_number: int, step: _StepNews) -> Feedback:
+        """What the scheduler learns of this step (and of clients gone since the last)."""
         feedback = Feedback(
-            step=result.step,
-            seq_ids=Array("int64", (len(accepted_seqs),), array("q", accepted_seqs).tobytes()),
-            token_ids=Array(
-                "int32", (len(accepted_tokens),), array("i", accepted_tokens).tobytes()
-            ),
-            finished_seq_ids=finished_ids,
-            finish_reasons=reasons,
+            step=step_number,
+            seq_ids=Array.of(step.accepted_seqs, "int64"),
+            token_ids=Array.of(step.accepted_tokens, "int32"),
+            finished_seq_ids=step.finished_ids,
+            finish_reasons=step.reasons,
         )
         if self._gone_news:
             feedback.gone_clients = self._gone_news[:GONE_CLIENTS_PER_FEEDBACK]
             del self._gone_news[:GONE_CLIENTS_PER_FEEDBACK]
-        if beam_seq_ids:
+        if step.beam_steps:
+            beam_seq_ids: list[int] = []
+            beam_parents: list[int] = []
+            beam_tokens: list[int] = []
+            for request, parents, tokens in step.beam_steps:
+                ids = request.msg.seq_ids
+                beam_seq_ids += ids
+                beam_parents += [ids[p] for p in parents.tolist()]
+                beam_tokens += tokens.tolist()
             feedback.beam_seq_ids = Array.of(beam_seq_ids, "int64")
             feedback.beam_parents = Array.of(beam_parents, "int64")
             feedback.beam_tokens = Array.of(beam_tokens, "int32")
-        return feedback, outputs
+        return feedback
 
     # -- per sequence --------------------------------------------------------------------
 
@@ -499,22 +523,13 @@ class OutputProcessor:
             if request.ranked is not None:
                 request.ranked.append(seq)
 
-    def _fail(
-        self,
-        seqs: list[_Sequence],
-        error: str,
-        now: float,
-        outputs: list[Output],
-        finished_ids: list[int],
-        reasons: list[FinishReason],
-    ) -> None:
+    def _fail(self, seqs: list[_Sequence], error: str, step: _StepNews) -> None:
         """Finish ``seqs`` with ``error``: their final deltas, and the scheduler's news."""
         for seq in seqs:
-            delta = self._finish(seq, "error", None, now, self._drain(seq))
+            delta = self._finish(seq, "error", None, step.now, self._drain(seq))
             delta.error = error
-            outputs += self._emit(seq, delta)
-            finished_ids.append(seq.seq_id)
-            reasons.append("error")
+            step.outputs += self._emit(seq, delta)
+            step.finished(seq.seq_id, "error")
 
     def _open_seqs(self, request: _Request) -> list[_Sequence]:
         seqs = (self._seqs.get(seq_id) for seq_id in request.msg.seq_ids)

@@ -51,82 +51,64 @@ class TextState:
     held: str = ""  # decoded but not sent: could be the start of a stop string
 
 
-class StopStrings:
-    """One request's stop strings and how to cut the text when one matches.
+class _Trie:
+    """The automaton of :class:`StopStrings` while it is built: the trie of the stop strings,
+    then its failure links. ``parent``, ``incode`` and ``depth`` are needed only here."""
 
-    Trie nodes are numbered as they are created, so the characters a stop string adds to the
-    trie become consecutive nodes: ``node -> node + 1`` is a *chain* edge stored as one code
-    point per node in ``_chain`` (-1: none). The few other edges, where stop strings branch,
-    live in the dict ``_branch``. That keeps a node at a few machine words (no dict per node)
-    however long or many the stop strings are. ``num_nodes`` and ``build_steps`` (automaton
-    steps taken to build it) show that set-up is linear in the total length of the stops.
-    """
-
-    __slots__ = (
-        "_branch",
-        "_chain",
-        "_chars",
-        "_fail",
-        "_hold",
-        "_match",
-        "build_steps",
-        "include_in_output",
-        "num_nodes",
-        "stops",
-    )
-
-    def __init__(self, stops: tuple[str, ...], include_in_output: bool = False) -> None:
-        if not all(stops):
-            raise ValueError("stop strings must be non-empty")
-        self.stops = stops
-        self.include_in_output = include_in_output
-        self._chars = frozenset("".join(stops))
+    def __init__(self) -> None:
         # Per node, indexed by node number (a few machine words each, no object per node):
-        chain = array("i", [-1])  # code point of the chain edge node -> node + 1, or -1
-        match = array("i", [-1])  # index of the longest stop string ending here, or -1
-        hold = array("i", [0])  # length of the longest suffix that is a proper stop prefix
-        # Only while building:
-        parent = array("i", [0])
-        incode = array("i", [-1])  # code point of the edge from the parent
-        depth = array("i", [0])
-        branch: dict[int, int] = {}
+        self.chain = array("i", [-1])  # code point of the chain edge node -> node + 1, or -1
+        self.match = array("i", [-1])  # index of the longest stop string ending here, or -1
+        self.hold = array("i", [0])  # length of the longest suffix that is a proper stop prefix
+        self.parent = array("i", [0])
+        self.incode = array("i", [-1])  # code point of the edge from the parent
+        self.depth = array("i", [0])
+        self.branch: dict[int, int] = {}
+        self.steps = 0  # automaton steps taken
+
+    def insert(self, index: int, stop: str) -> None:
+        """Add stop string number ``index``."""
+        node = pos = 0
+        size = len(stop)
+        while pos < size:  # walk the part of the stop already in the trie
+            code = ord(stop[pos])
+            if self.chain[node] == code:
+                node += 1
+            else:
+                child = self.branch.get(node << _SHIFT | code)
+                if child is None:
+                    break
+                node = child
+            pos += 1
+        self.steps += pos
+        if pos < size:  # the rest becomes consecutive new nodes: bulk array operations
+            new = len(self.chain)
+            added = size - pos
+            if node == new - 1:  # the newest node has no child yet: extend its chain
+                self.chain[node] = ord(stop[pos])
+            else:
+                self.branch[node << _SHIFT | ord(stop[pos])] = new
+            top = self.depth[node]
+            self.hold[node] = top  # it has a child now; so do all new nodes but the last
+            self.chain.extend(map(ord, stop[pos + 1 :]))
+            self.chain.append(-1)
+            self.incode.extend(map(ord, stop[pos:]))
+            self.parent.append(node)
+            self.parent.extend(range(new, new + added - 1))
+            self.depth.extend(range(top + 1, top + added + 1))
+            self.hold.extend(range(top + 1, top + added))
+            self.hold.append(-1)  # a leaf: from its failure target, below
+            self.match.extend(array("i", [-1]) * added)
+            node = new + added - 1
+            self.steps += added
+        if self.match[node] < 0:  # its own string: the longest stop that can end here
+            self.match[node] = index
+
+    def link_failures(self) -> array:
+        """Each node's failure link (and its inherited match and hold); returns the links."""
+        chain, branch, match, hold = self.chain, self.branch, self.match, self.hold
+        parent, incode, depth = self.parent, self.incode, self.depth
         steps = 0
-        for index, stop in enumerate(stops):
-            node = pos = 0
-            size = len(stop)
-            while pos < size:  # walk the part of the stop already in the trie
-                code = ord(stop[pos])
-                if chain[node] == code:
-                    node += 1
-                else:
-                    child = branch.get(node << _SHIFT | code)
-                    if child is None:
-                        break
-                    node = child
-                pos += 1
-            steps += pos
-            if pos < size:  # the rest becomes consecutive new nodes: bulk array operations
-                new = len(chain)
-                added = size - pos
-                if node == new - 1:  # the newest node has no child yet: extend its chain
-                    chain[node] = ord(stop[pos])
-                else:
-                    branch[node << _SHIFT | ord(stop[pos])] = new
-                top = depth[node]
-                hold[node] = top  # it has a child now; so do all new nodes but the last
-                chain.extend(map(ord, stop[pos + 1 :]))
-                chain.append(-1)
-                incode.extend(map(ord, stop[pos:]))
-                parent.append(node)
-                parent.extend(range(new, new + added - 1))
-                depth.extend(range(top + 1, top + added + 1))
-                hold.extend(range(top + 1, top + added))
-                hold.append(-1)  # a leaf: from its failure target, below
-                match.extend(array("i", [-1]) * added)
-                node = new + added - 1
-                steps += added
-            if match[node] < 0:  # its own string: the longest stop that can end here
-                match[node] = index
         count = len(chain)
         fail = array("i", bytes(4 * count))  # the root and its children fail to the root
         # By depth, so a node's failure target and every node on the failure path walked to
@@ -160,13 +142,50 @@ class StopStrings:
                 match[child] = match[target]
             if hold[child] < 0:
                 hold[child] = hold[target]
-        self._chain = chain
-        self._branch = branch
-        self._fail = fail
-        self._match = match
-        self._hold = hold
-        self.num_nodes = count
-        self.build_steps = steps
+        self.steps += steps
+        return fail
+
+
+class StopStrings:
+    """One request's stop strings and how to cut the text when one matches.
+
+    Trie nodes are numbered as they are created, so the characters a stop string adds to the
+    trie become consecutive nodes: ``node -> node + 1`` is a *chain* edge stored as one code
+    point per node in ``_chain`` (-1: none). The few other edges, where stop strings branch,
+    live in the dict ``_branch``. That keeps a node at a few machine words (no dict per node)
+    however long or many the stop strings are. ``num_nodes`` and ``build_steps`` (automaton
+    steps taken to build it) show that set-up is linear in the total length of the stops.
+    """
+
+    __slots__ = (
+        "_branch",
+        "_chain",
+        "_chars",
+        "_fail",
+        "_hold",
+        "_match",
+        "build_steps",
+        "include_in_output",
+        "num_nodes",
+        "stops",
+    )
+
+    def __init__(self, stops: tuple[str, ...], include_in_output: bool = False) -> None:
+        if not all(stops):
+            raise ValueError("stop strings must be non-empty")
+        self.stops = stops
+        self.include_in_output = include_in_output
+        self._chars = frozenset("".join(stops))
+        trie = _Trie()
+        for index, stop in enumerate(stops):
+            trie.insert(index, stop)
+        self._fail = trie.link_failures()
+        self._chain = trie.chain
+        self._branch = trie.branch
+        self._match = trie.match
+        self._hold = trie.hold
+        self.num_nodes = len(trie.chain)
+        self.build_steps = trie.steps
 
     def scan(self, state: TextState, new_text: str, search: bool) -> tuple[str, str | None]:
         """Add ``new_text``; return ``(text to send now, matched stop string or None)``.
