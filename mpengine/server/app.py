@@ -78,6 +78,13 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
             allow_credentials=cors.credentials,
         )
     app.add_middleware(CountResponses, state=state)  # outermost: every answer counts
+    app.include_router(_v1_routes(state))
+    app.include_router(_service_routes(state))
+    return app
+
+
+def _v1_routes(state: ServerState) -> APIRouter:
+    """The OpenAI API: completions, chat completions, embeddings, models."""
 
     def check_generates(name: str | None) -> None:
         """400 for a generation request to a model that only embeds."""
@@ -117,25 +124,30 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
         """One model's card (``client.models.retrieve``); 404 for a name not served."""
         return _json(card(state.check_model(name)))
 
-    app.include_router(v1)
+    return v1
 
-    @app.get("/version")
+
+def _service_routes(state: ServerState) -> APIRouter:
+    """Version, health, metrics, and tokenization as vLLM serves them."""
+    router = APIRouter()
+
+    @router.get("/version")
     async def version() -> Response:
         return _json({"version": __version__})
 
-    @app.get("/health")
+    @router.get("/health")
     async def health() -> Response:
         problem = state.monitor.problem()
         if problem is not None:
             raise APIError(503, problem, code="unhealthy")
         return Response(b'{"status":"ok"}', media_type="application/json")
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def metrics() -> Response:
         await state.monitor.poll()  # the engine's numbers as of now
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/tokenize")
+    @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -153,7 +165,7 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
         strs = state.text.token_strs(ids) if body.return_token_strs else None
         return _json(TokenizeResponse(len(ids), state.info.max_model_len, ids, strs))
 
-    @app.post("/detokenize")
+    @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
         state.check_model(body.model)
         vocab = state.info.vocab_size
@@ -161,7 +173,7 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
             raise APIError(400, f"tokens: ids must be in 0..{vocab - 1}", "tokens")
         return _json(DetokenizeResponse(state.text.decode(body.tokens)))
 
-    return app
+    return router
 
 
 # Besides /v1/...: the other routes that make the server work for the client (health,

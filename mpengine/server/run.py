@@ -226,26 +226,7 @@ async def _serve(
     engine.on_death(on_death)
     _tune_gc()
     # 2. HTTP; once it listens, ready
-    server = _Server(
-        uvicorn.Config(
-            build_app(
-                state,
-                Cors(
-                    args.allowed_origins,
-                    args.allowed_methods,
-                    args.allowed_headers,
-                    args.allow_credentials,
-                ),
-            ),
-            ssl_keyfile=args.ssl_keyfile,
-            ssl_certfile=args.ssl_certfile,
-            log_config=None,  # the process's logging, as configured
-            log_level=args.uvicorn_log_level,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=HTTP_GRACE_S,
-        )
-    )
+    server = _http_server(state, args)
     http = asyncio.create_task(server.serve(sockets=[listener]))
     while not server.started and not http.done():
         await asyncio.sleep(0.01)
@@ -291,6 +272,25 @@ async def _serve(
     await http
     state.client.close()
     return code
+
+
+def _http_server(state: ServerState, args: argparse.Namespace) -> _Server:
+    """uvicorn serving the app, with the process's logging and our own signal handling."""
+    cors = Cors(
+        args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials
+    )
+    return _Server(
+        uvicorn.Config(
+            build_app(state, cors),
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            log_config=None,  # the process's logging, as configured
+            log_level=args.uvicorn_log_level,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=HTTP_GRACE_S,
+        )
+    )
 
 
 def _state(engine: Engine, args: argparse.Namespace, api_key: str | None) -> ServerState:
