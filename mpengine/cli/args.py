@@ -176,6 +176,30 @@ def quiet_by_default(args: argparse.Namespace) -> None:
         args.log_level = "WARNING"
 
 
+# -- commands that print the model's text (generate, chat) ----------------------------------
+
+
+def add_text_command_args(
+    parser: argparse.ArgumentParser, what: str, max_tokens_default: str = "64"
+) -> None:
+    """MODEL (default ``smollm2-135m``), the sampling flags, ``--address`` of a running engine,
+    and the engine flags of the engine launched otherwise."""
+    add_model_arg(
+        parser, f"`mpengine {parser.prog.split()[-1]} smollm2-135m`; default: smollm2-135m"
+    )
+    add_sampling_args(parser, max_tokens_default)
+    add_address_args(parser, what)
+    add_engine_args(parser, exclude=("address",))
+
+
+def text_command_args(args: argparse.Namespace) -> None:
+    """Before anything starts: MODEL as ``--model``, quiet logs, and bad sampling flags
+    refused."""
+    take_model_tag(args)
+    quiet_by_default(args)
+    sampling_from_args(args)
+
+
 @contextlib.contextmanager
 def command_logging(level: str, command: str) -> Iterator[None]:
     """While inside: this process's ``mpengine`` loggers (the launcher's, the client's) log
@@ -334,6 +358,28 @@ def add_address_args(parser: argparse.ArgumentParser, what: str) -> None:
         default=30.0,
         help="seconds to wait for the running engine to answer the handshake (default: 30)",
     )
+
+
+def add_running_engine_args(parser: argparse.ArgumentParser) -> None:
+    """A running engine's address, and how to reach it (``stats``, ``top``)."""
+    parser.add_argument("address", help="the engine's request address (ipc://... or tcp://...)")
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=10.0,
+        help="seconds to wait for the engine (default: 10)",
+    )
+    parser.add_argument("--auth-token", default=None, help="the engine's auth token, if any")
+    parser.add_argument("--auth-token-file", default=None, help=TOKEN_FILE_HELP)
+
+
+def running_engine(args: argparse.Namespace):
+    """A ``Client`` of the engine at ``args.address`` (see :func:`add_running_engine_args`)."""
+    from mpengine.client.sync_client import Client
+
+    check_address(args.address)
+    token = auth_token_from_args(args)
+    return Client(args.address, timeout=args.timeout, auth_token=token)
 
 
 def positive_float(text: str) -> float:

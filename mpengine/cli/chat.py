@@ -21,16 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from mpengine.cli.args import (
-    add_address_args,
-    add_engine_args,
-    add_model_arg,
-    add_sampling_args,
-    command_logging,
-    quiet_by_default,
-    sampling_from_args,
-    take_model_tag,
-)
+from mpengine.cli.args import add_text_command_args, command_logging, text_command_args
 from mpengine.cli.remote import HttpClient, engine_client, request_params
 from mpengine.errors import InvalidRequestError, RequestFailedError
 
@@ -56,7 +47,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Chat with a model through its chat template. Commands:\n" + COMMANDS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_model_arg(chat, "`mpengine chat smollm2-135m`; default: smollm2-135m")
     chat.add_argument("--system", default=None, help="the system prompt to start with")
     chat.add_argument(
         "--chat-template",
@@ -64,9 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="a chat template (a file, or the template's text) instead of the model's (not "
         "with an http:// address)",
     )
-    add_sampling_args(chat, max_tokens_default="the rest of the context")
-    add_address_args(chat, "chat with")
-    add_engine_args(chat, exclude=("address",))
+    add_text_command_args(chat, "chat with", max_tokens_default="the rest of the context")
     chat.set_defaults(func=cmd_chat)
 
 
@@ -220,9 +208,7 @@ class ChatLoop:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    take_model_tag(args)
-    quiet_by_default(args)
-    sampling_from_args(args)  # (bad flags are refused before an engine starts)
+    text_command_args(args)
     if args.n != 1:
         raise SystemExit("mpengine: chat prints one reply: --n must be 1")
     interactive = sys.stdin.isatty()

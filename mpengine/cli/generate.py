@@ -9,16 +9,7 @@ import json
 import sys
 import time
 
-from mpengine.cli.args import (
-    add_address_args,
-    add_engine_args,
-    add_model_arg,
-    add_sampling_args,
-    command_logging,
-    quiet_by_default,
-    sampling_from_args,
-    take_model_tag,
-)
+from mpengine.cli.args import add_text_command_args, command_logging, text_command_args
 from mpengine.cli.remote import engine_client, request_params
 
 
@@ -28,22 +19,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="complete prompts and print them, with an engine it launches (or a running one: "
         "--address)",
     )
-    add_model_arg(gen, "`mpengine generate smollm2-135m`; default: smollm2-135m")
     gen.add_argument(
         "--prompt", action="append", help="a prompt (repeatable; default 'The quick brown fox')"
     )
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--json", action="store_true", help="print one JSON object per sample")
-    add_sampling_args(gen)
-    add_address_args(gen, "complete the prompts with")
-    add_engine_args(gen, exclude=("address",))
+    add_text_command_args(gen, "complete the prompts with")
     gen.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    take_model_tag(args)
-    quiet_by_default(args)
-    sampling_from_args(args)  # (bad flags are refused before an engine starts)
+    text_command_args(args)
     prompts = args.prompt or ["The quick brown fox"]
     stream = args.stream and len(prompts) == 1 and args.n == 1 and not args.json
     if args.stream and not stream:

@@ -9,13 +9,11 @@ import json
 from mpengine.cli.args import (
     add_engine_args,
     add_model_arg,
-    auth_token_from_args,
-    check_address,
+    add_running_engine_args,
     config_from_args,
-    positive_float,
+    running_engine,
     take_model_tag,
 )
-from mpengine.envs import TOKEN_FILE_HELP
 from mpengine.server.options import add_serve_args
 
 
@@ -35,15 +33,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "each stage's time by phase and wait (stages), and per step (per_step: the executor's "
         "duty, each stage's ms per step, its waits on each ring and the lockstep counter)",
     )
-    stats.add_argument("address", help="the engine's request address (ipc://... or tcp://...)")
-    stats.add_argument(
-        "--timeout",
-        type=positive_float,
-        default=10.0,
-        help="seconds to wait for the engine (default: 10)",
-    )
-    stats.add_argument("--auth-token", default=None, help="the engine's auth token, if any")
-    stats.add_argument("--auth-token-file", default=None, help=TOKEN_FILE_HELP)
+    add_running_engine_args(stats)
     stats.set_defaults(func=cmd_stats)
 
 
@@ -55,12 +45,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from mpengine.client.sync_client import Client
     from mpengine.runtime.timing import breakdown, counters
 
-    check_address(args.address)
-    token = auth_token_from_args(args)
-    with Client(args.address, timeout=args.timeout, auth_token=token) as client:
+    with running_engine(args) as client:
         stats = client.stats()
     fields = {name: getattr(stats, name) for name in stats.__struct_fields__}
     # Each stage's totals as named counters, then what they mean per step.

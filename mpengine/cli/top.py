@@ -8,13 +8,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-from mpengine.cli.args import check_address, positive_float
-from mpengine.envs import TOKEN_FILE_HELP, auth_token
+from mpengine.cli.args import add_running_engine_args, positive_float, running_engine
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("top", help="a live view of a running engine (--once: one screen)")
-    parser.add_argument("address", help="the engine's request address (ipc://... or tcp://...)")
+    add_running_engine_args(parser)
     parser.add_argument(
         "--interval",
         type=positive_float,
@@ -22,27 +21,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds between refreshes (default: 1)",
     )
     parser.add_argument("--once", action="store_true", help="print one screen and exit")
-    parser.add_argument("--auth-token", default=None, help="the engine's auth token, if any")
-    parser.add_argument("--auth-token-file", default=None, help=TOKEN_FILE_HELP)
-    parser.add_argument(
-        "--timeout",
-        type=positive_float,
-        default=10.0,
-        help="seconds to wait for the engine (default: 10)",
-    )
     parser.set_defaults(func=cmd_top)
 
 
 def cmd_top(args: argparse.Namespace) -> int:
     """``mpengine top``: a live view, refreshed every ``--interval`` seconds."""
-    from mpengine.client.sync_client import Client
-
-    check_address(args.address)
-    try:
-        token = auth_token(args.auth_token, args.auth_token_file)
-    except ValueError as exc:
-        raise SystemExit(f"mpengine: {exc}") from None
-    with Client(args.address, timeout=args.timeout, auth_token=token) as client:
+    with running_engine(args) as client:
         title = f"mpengine top  {client.info.model}  ({client.info.runtime}, {args.address})"
         before = take_sample(client)
         try:

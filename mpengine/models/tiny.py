@@ -80,65 +80,41 @@ _TOKENIZERS: dict[str, TokenizerSpec] = {
     "bert": BERT_TOKENIZER,
 }
 
+
+def _decoder(
+    hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, **extra: object
+) -> dict[str, object]:
+    """A Llama-family decoder's hyper-parameters (Qwen3 and Llama name them alike)."""
+    return dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        max_position_embeddings=4096,
+        **extra,
+    )
+
+
+_GPT2_NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 # Architecture hyper-parameters, as keyword arguments of the HF config class.
 _PRESETS: dict[tuple[str, str], dict[str, object]] = {
     # Tied embeddings as in Qwen3-0.6B, and head_dim 32 != hidden / heads as in every
     # Qwen3 (0.6B: 1024 hidden, 16 heads of 128).
-    ("qwen3", "tiny"): dict(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=192,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    ),
+    ("qwen3", "tiny"): _decoder(64, 4, 4, 2, 192, head_dim=32, tie_word_embeddings=True),
     # ~26M parameters: big enough that the forward pass dominates a step. Untied like
     # Qwen3-8B; its greedy text is also more varied than a tied one's.
-    ("qwen3", "small"): dict(
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        intermediate_size=1408,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    ),
+    ("qwen3", "small"): _decoder(512, 8, 8, 4, 1408, head_dim=64, tie_word_embeddings=False),
     # Qwen3-0.6B's dimensions with random weights, for benchmarks on a device (~600M
     # parameters: 2.4 GB of float32 in the cache). The embedding and LM head have the real
     # model's 151,936 rows (the LM head and sampling over them are a visible share of a
     # decode step), though the built-in tokenizer names only the first 2,048.
-    ("qwen3", "0.6b-shape"): dict(
-        vocab_size=151_936,
-        hidden_size=1024,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=3072,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
+    ("qwen3", "0.6b-shape"): _decoder(
+        1024, 28, 16, 8, 3072, head_dim=128, vocab_size=151_936, tie_word_embeddings=True
     ),
-    ("llama", "tiny"): dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=160,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    ),
+    ("llama", "tiny"): _decoder(64, 2, 4, 2, 160, tie_word_embeddings=False),
     ("gpt2", "tiny"): dict(
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        n_inner=256,
-        n_positions=2048,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        n_embd=64, n_layer=2, n_head=4, n_inner=256, n_positions=2048, **_GPT2_NO_DROPOUT
     ),
     ("bert", "tiny"): dict(
         hidden_size=64,

@@ -124,16 +124,9 @@ class TextTools:
         """The request's messages in the form this template expects."""
         return message_dicts(messages, self.content_format)
 
-    def render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        extra: dict[str, Any] | None = None,
-    ) -> str:
-        return _as_400(
-            lambda: self.chat.render(messages, add_generation_prompt, continue_final_message, extra)
-        )
+    def render_chat(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> str:
+        """The prompt text (``ChatTemplate.render``'s arguments), a template's error as a 400."""
+        return _as_400(lambda: self.chat.render(messages, *args, **kwargs))
 
 
 def message_dicts(messages: list[Any], content_format: str = "string") -> list[dict[str, Any]]:
