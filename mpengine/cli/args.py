@@ -13,8 +13,9 @@ import socket
 import sys
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from decimal import Decimal
+from typing import Any
 
 import msgspec
 
@@ -236,6 +237,8 @@ CLI_SAMPLING = {
     "min_p": 0.0,
     "repetition_penalty": 1.0,
 }
+# Sampling flags that pass as they are (no model default).
+_PLAIN_SAMPLING = ("n", "stop", "ignore_eos", "presence_penalty", "frequency_penalty", "logprobs")
 _MODEL_DEFAULT = " (default: the model's generation_config.json, else %s)"
 
 
@@ -314,19 +317,20 @@ def sampling_from_args(
 
     given = {name: getattr(args, name) for name in CLI_SAMPLING}
     given = {name: value for name, value in given.items() if value is not None}
+    plain = {name: getattr(args, name) for name in _PLAIN_SAMPLING}
+    defaults = {**CLI_SAMPLING, **(cli_defaults or {}), **(model_defaults or {})}
+    return validated(
+        lambda: SamplingParams(**{**defaults, **given}, **plain, seed=args.sampling_seed),
+        "sampling",
+    )
+
+
+def validated(make: Callable[[], Any], what: str) -> Any:
+    """``make().validate()``, a bad value refused in one line (``what``: the parameters)."""
     try:
-        return SamplingParams(
-            **{**CLI_SAMPLING, **(cli_defaults or {}), **(model_defaults or {}), **given},
-            seed=args.sampling_seed,
-            n=args.n,
-            stop=args.stop,
-            ignore_eos=args.ignore_eos,
-            presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty,
-            logprobs=args.logprobs,
-        ).validate()
+        return make().validate()
     except (msgspec.ValidationError, ValueError) as exc:
-        raise SystemExit(f"mpengine: invalid sampling parameters: {exc}") from None
+        raise SystemExit(f"mpengine: invalid {what} parameters: {exc}") from None
 
 
 # -- a running engine ------------------------------------------------------------------------

@@ -8,9 +8,7 @@ import json
 import sys
 import time
 
-import msgspec
-
-from mpengine.cli.args import add_engine_args, config_from_args
+from mpengine.cli.args import add_engine_args, config_from_args, validated
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,14 +43,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def pooling_from_args(args: argparse.Namespace):
     from mpengine.protocol import PoolingParams
 
-    try:
-        return PoolingParams(
+    return validated(
+        lambda: PoolingParams(
             normalize=args.normalize,
             dimensions=args.dimensions,
             truncate_prompt_tokens=args.truncate_prompt_tokens,
-        ).validate()
-    except (msgspec.ValidationError, ValueError) as exc:
-        raise SystemExit(f"mpengine: invalid pooling parameters: {exc}") from None
+        ),
+        "pooling",
+    )
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
