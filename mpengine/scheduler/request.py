@@ -67,6 +67,17 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether computing its prompt yields prompt logprobs (sample 0, first prefill;
+        see ``Scheduler._start``)."""
+        return (
+            self.request.wants_prompt_logprobs
+            and self.sample_index == 0
+            and self.num_outputs == 0
+            and self.num_computed < self.num_prompt_tokens - 1
+        )
+
     def wants_tokens(self) -> bool:
         """Whether a step could compute something for it now."""
         if self.request.pooling is not None:
@@ -124,28 +135,58 @@ class Request:
         return all(seq.finished for seq in self.seqs)
 
 
+def urgency(seq: Sequence) -> tuple[int, int, int]:
+    """Higher for a sequence that gives way first: lower priority (a higher number), then
+    later arrival (the request key counts arrivals), then a later sample."""
+    return seq.request.priority, seq.request.key, seq.sample_index
+
+
 class WaitingQueue:
     """Requests waiting for admission, in the order they are admitted: arrival, or by
     priority (lower first) then arrival, in a heap (a burst of thousands queued behind
     each other took a walk of the queue each: 1-2 s of scheduler time at 4,096 waiting).
-    Aborted requests stay until they reach the head (the caller skips them there)."""
+    Aborted requests stay until they reach the head (``first`` drops them there);
+    ``num_requests`` and ``num_tokens`` count the others and their prompt tokens."""
 
     def __init__(self, by_priority: bool) -> None:
         self.by_priority = by_priority
         self._fifo: deque[Request] = deque()
         self._heap: list[tuple[int, int, Request]] = []
         self._arrivals = itertools.count()
+        self.num_requests = 0
+        self.num_tokens = 0
 
     def append(self, request: Request) -> None:
         if self.by_priority:
             heapq.heappush(self._heap, (request.priority, next(self._arrivals), request))
         else:
             self._fifo.append(request)
+        self.num_requests += 1
+        self.num_tokens += request.num_prompt_tokens
 
-    def head(self) -> Request:
+    def first(self) -> Request | None:
+        """The first request still waiting (dropping those aborted meanwhile), or None."""
+        while self and self._head().finished:
+            self._pop()
+        return self._head() if self else None
+
+    def admit(self) -> Request:
+        """Take the first request (``first``) out of the queue."""
+        request = self._pop()
+        assert not request.finished
+        self.forget(request)
+        return request
+
+    def forget(self, request: Request) -> None:
+        """``request`` leaves: admitted, or finished while it waits (it stays in the queue
+        until it reaches the head, no O(n) removal, but counts no more)."""
+        self.num_requests -= 1
+        self.num_tokens -= request.num_prompt_tokens
+
+    def _head(self) -> Request:
         return self._heap[0][2] if self.by_priority else self._fifo[0]
 
-    def popleft(self) -> Request:
+    def _pop(self) -> Request:
         return heapq.heappop(self._heap)[2] if self.by_priority else self._fifo.popleft()
 
     def __len__(self) -> int:

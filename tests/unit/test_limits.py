@@ -223,7 +223,7 @@ def test_plans_fit_the_ring_when_many_samples_fork_long_prompts() -> None:
     assert max(sizes) <= 1 * MiB - RING_HEADER
     # Parameters crossed once per request, without their stop strings.
     assert executor.params_sent == 16
-    assert executor.requests == set(sched.released)  # released by the next plan
+    assert executor.requests == set(sched.keys_to_forget)  # released by the next plan
     assert sched.blocks.num_free == sched.blocks.num_blocks
 
 

@@ -100,7 +100,7 @@ def test_outputs_match_reference_with_preemption(lag, num_host_blocks):
     swapped = sched.counters["swapped_out_blocks"]
     assert (swapped > 0) == (num_host_blocks > 0)
     assert sched.counters["swapped_in_blocks"] <= swapped
-    assert len(sched.free_host_blocks) == num_host_blocks
+    assert len(sched.swap.free_host_blocks) == num_host_blocks
     for rid, (prompt, max_tokens) in prompts.items():
         (seq_id,) = seq_ids[rid]
         assert output.outputs[seq_id] == reference_generate(prompt, max_tokens, EOS, VOCAB), rid
@@ -534,7 +534,7 @@ def test_aborting_a_swapped_sequence_frees_its_host_blocks():
 
     run(sched, output, 1, on_step)
     assert aborted, "no sequence was swapped out"
-    assert len(sched.free_host_blocks) == 32 and sched.stats()["num_swapped"] == 0
+    assert len(sched.swap.free_host_blocks) == 32 and sched.stats()["num_swapped"] == 0
     for rid, prompt in prompts.items():
         if rid not in aborted:
             expected = reference_generate(prompt, 20, EOS, VOCAB)
@@ -600,8 +600,8 @@ def test_a_victim_chosen_by_priority_gives_back_its_chunk(lag):
         output = FakeOutput(EOS)
         original = sched._give_back
 
-        def give_back(seq, chunks, original=original):
-            tokens = original(seq, chunks)
+        def give_back(seq, batch, budget, original=original):
+            tokens = original(seq, batch, budget)
             given_back.append(tokens)
             return tokens
 
