@@ -295,8 +295,8 @@ class Scheduler:
             num_frame_bytes=self.limits.plan_extra_bytes - self.swap.num_pending_bytes,
             num_prompt_logprob_tokens=self.limits.max_prompt_logprob_tokens,
         )
-        batch = StepBatch(self.next_step, block_deltas=self._table_updates)
-        self._table_updates = []
+        carried, self._table_updates = self._table_updates, []
+        batch = StepBatch(self.next_step, block_deltas=list(carried))
         self.prefix.begin_step()
 
         # 1. running sequences, in admission order
@@ -309,7 +309,10 @@ class Scheduler:
             if seq.slot < 0:
                 self._start(seq, batch)
         if not batch.chunks:
-            return None  # swap-outs issued meanwhile go with the next plan
+            # Swap-outs issued meanwhile, and the rows beam steps changed, go with the
+            # next plan.
+            self._table_updates = carried
+            return None
         # 4. the plan, then the state it leaves; it carries out the swap copies and the
         # requests the executor may forget (this step's pooled ones too)
         plan = build_plan(batch)
