@@ -9,15 +9,25 @@ deterministic function of the context, so a request's output can be checked agai
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from mpengine.protocol import (
+    AbortRequests,
+    Announcement,
     Array,
     Feedback,
+    NewRequest,
     RequestParams,
     SamplingParams,
     SeqStart,
     StepPlan,
     StepResult,
 )
+
+if TYPE_CHECKING:
+    from mpengine.scheduler import Scheduler
 
 
 def next_token(context: list[int], vocab_size: int) -> int:
@@ -126,10 +136,23 @@ class FakeOutput:
         self.max_tokens: dict[int, int] = {}
         self.outputs: dict[int, list[int]] = {}
         self.finished: dict[int, str] = {}
+        self.seq_ids: dict[str, list[int]] = {}  # request id -> its samples
 
     def add(self, seq_id: int, max_tokens: int) -> None:
         self.max_tokens[seq_id] = max_tokens
         self.outputs[seq_id] = []
+
+    def announce(self, announcements: list[Announcement]) -> None:
+        """What the scheduler announced: new requests' samples, aborts."""
+        for announcement in announcements:
+            if isinstance(announcement, NewRequest):
+                self.seq_ids[announcement.request_id] = announcement.seq_ids
+                for seq_id in announcement.seq_ids:
+                    self.add(seq_id, announcement.sampling.max_tokens)  # type: ignore[union-attr]
+            elif isinstance(announcement, AbortRequests):
+                for request_id in announcement.request_ids:
+                    for seq_id in self.seq_ids.get(request_id, ()):
+                        self.abort(seq_id)
 
     def abort(self, seq_id: int) -> None:
         self.finished.setdefault(seq_id, "abort")
@@ -165,3 +188,38 @@ def start_seq(
     benchmarks that build plans by hand: ``new_seqs`` and ``new_requests`` entries."""
     params = RequestParams(seq_id, num_prompt_tokens, sampling, None, prompt_token_ids)
     return SeqStart(slot, seq_id, seq_id, sample_index, prompt_token_ids is not None), params
+
+
+def drive(
+    sched: Scheduler,
+    executor: FakeExecutor,
+    output: FakeOutput,
+    *,
+    lag: int = 0,
+    on_plan: Callable[[StepPlan], None] | None = None,
+    max_iterations: int = 20_000,
+) -> int:
+    """Run ``sched``'s requests to the end through the fake stages, under the lockstep rule
+    with ``lag`` steps in flight (the async depth); ``on_plan`` sees each plan once it ran.
+    Returns the number of steps; fails if the scheduler stops making progress."""
+    unprocessed: deque[StepResult] = deque()  # executed, not yet output-processed
+    feedback: list[Feedback] = []
+    steps = 0
+    for _ in range(max_iterations):
+        while len(unprocessed) > lag:
+            feedback.append(output.process(unprocessed.popleft()))
+        plan = sched.schedule(feedback)
+        feedback = []
+        output.announce(sched.take_announcements())
+        if plan is None:
+            if unprocessed:
+                feedback.append(output.process(unprocessed.popleft()))
+            elif not sched.has_unfinished:
+                sched.blocks.check()
+                return steps
+            continue
+        steps += 1
+        unprocessed.append(executor.execute(plan))
+        if on_plan is not None:
+            on_plan(plan)
+    raise AssertionError("the scheduler does not make progress")

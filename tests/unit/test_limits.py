@@ -20,7 +20,7 @@ from mpengine.protocol import (
     encoder,
 )
 from mpengine.scheduler import RequestRejected, Scheduler
-from mpengine.testing.fake import FakeExecutor, FakeOutput
+from mpengine.testing.fake import FakeExecutor, FakeOutput, drive
 
 VOCAB = 97
 
@@ -188,27 +188,18 @@ def test_mass_abort_is_announced_in_bounded_frames() -> None:
     assert max(len(encoder.encode(a)) for a in aborts) <= ABORT_CHUNK_BYTES + 1024
 
 
-def drive(sched: Scheduler, limit: int) -> tuple[list[int], FakeExecutor]:
+def drive_checked(sched: Scheduler, limit: int) -> tuple[list[int], FakeExecutor]:
     """Run to completion (async depth 0) checking every plan fits the ring; return the
     encoded plan sizes and the fake executor."""
     executor = FakeExecutor(sched.blocks.block_size, VOCAB)
-    output = FakeOutput(eos=-1)
-    feedback, sizes = [], []
-    for _ in range(20_000):
-        plan = sched.schedule(feedback)
-        feedback = []
-        for ann in sched.take_announcements():
-            if type(ann).__name__ == "NewRequest":
-                for seq_id in ann.seq_ids:
-                    output.add(seq_id, ann.sampling.max_tokens)
-        if plan is None:
-            if not sched.has_unfinished:
-                return sizes, executor
-            continue
+    sizes: list[int] = []
+
+    def check(plan) -> None:
         sizes.append(len(encoder.encode(plan)))
         assert sizes[-1] <= limit, f"plan of {sizes[-1]} bytes exceeds the ring's {limit}"
-        feedback.append(output.process(executor.execute(plan)))
-    raise AssertionError("no progress")
+
+    drive(sched, executor, FakeOutput(eos=-1), on_plan=check)
+    return sizes, executor
 
 
 def test_plans_fit_the_ring_when_many_samples_fork_long_prompts() -> None:
@@ -219,7 +210,9 @@ def test_plans_fit_the_ring_when_many_samples_fork_long_prompts() -> None:
     )
     for i in range(16):
         add(sched, f"r{i}", [5 + i] * 1021, n=16, max_tokens=3, stop=["zz" * 500] * 8)
-    sizes, executor = drive(sched, sched.limits.plan_fixed_bytes + sched.limits.plan_extra_bytes)
+    sizes, executor = drive_checked(
+        sched, sched.limits.plan_fixed_bytes + sched.limits.plan_extra_bytes
+    )
     assert max(sizes) <= 1 * MiB - RING_HEADER
     # Parameters crossed once per request, without their stop strings.
     assert executor.params_sent == 16

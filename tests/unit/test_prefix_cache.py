@@ -17,7 +17,7 @@ from mpengine.config import EngineConfig
 from mpengine.protocol import AddRequest, Array, Feedback, SamplingParams
 from mpengine.scheduler import Scheduler
 from mpengine.scheduler.block_manager import BlockManager, chain_hashes
-from mpengine.testing.fake import FakeExecutor, FakeOutput, reference_generate
+from mpengine.testing.fake import FakeExecutor, FakeOutput, drive, reference_generate
 from tests.unit.test_scheduler import EOS, VOCAB, run
 
 BS = 4
@@ -133,28 +133,16 @@ def test_preemption_and_abort_with_shared_blocks() -> None:
         seq_id = add(sched, f"r{i}", prompt, max_tokens=20)
         expected[seq_id] = reference_generate(prompt, 20, EOS, VOCAB)
     expected_ids = {f"r{i}": seq_id for i, seq_id in enumerate(expected)}
-    executor = FakeExecutor(BS, VOCAB)
-    feedback: list = []
     aborted = False
-    for _ in range(2000):
-        plan = sched.schedule(feedback)
-        feedback = []
-        for ann in sched.take_announcements():
-            if type(ann).__name__ == "NewRequest":
-                for seq_id in ann.seq_ids:
-                    output.add(seq_id, ann.sampling.max_tokens)
-            elif type(ann).__name__ == "AbortRequests":
-                for rid in ann.request_ids:
-                    output.abort(expected_ids[rid])
-        if plan is None:
-            if not sched.has_unfinished:
-                break
-            continue
-        feedback.append(output.process(executor.execute(plan)))
+
+    def abort_once_preempted(plan) -> None:
+        nonlocal aborted
         if not aborted and sched.counters["preemptions"]:
             sched.abort("c", ["r0", "r5"])  # while blocks are shared and some preempted
             aborted = True
         sched.blocks.check()
+
+    drive(sched, FakeExecutor(BS, VOCAB), output, on_plan=abort_once_preempted)
     assert aborted and sched.counters["prefix_cache_hits"] > 0
     for rid in ("r0", "r5"):
         expected.pop(expected_ids[rid])

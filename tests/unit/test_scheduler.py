@@ -8,7 +8,7 @@ change the tokens compared against ``reference_generate``.
 from __future__ import annotations
 
 import random
-from collections import Counter, deque
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from mpengine.config import EngineConfig
 from mpengine.protocol import STEP_TOKEN_BUCKETS, AddRequest, Array, Feedback, SamplingParams
 from mpengine.scheduler import BlockManager, RequestRejected, Scheduler
-from mpengine.testing.fake import FakeExecutor, FakeOutput, reference_generate
+from mpengine.testing.fake import FakeExecutor, FakeOutput, drive, reference_generate
 
 VOCAB = 97
 EOS = 5
@@ -49,30 +49,8 @@ def add(sched, request_id, prompt, max_tokens=8, n=1, seed=None):
 def run(sched, output, lag, on_step=None):
     """Drive plans through the fake stages under the lockstep rule with ``lag``."""
     executor = FakeExecutor(sched.blocks.block_size, VOCAB)
-    unprocessed: deque = deque()  # results executed but not yet output-processed
-    feedback = []
-    steps = 0
-    while True:
-        while len(unprocessed) > lag:
-            feedback.append(output.process(unprocessed.popleft()))
-        plan = sched.schedule(feedback)
-        feedback = []
-        for ann in sched.take_announcements():
-            if type(ann).__name__ == "NewRequest":
-                for seq_id in ann.seq_ids:
-                    output.add(seq_id, ann.sampling.max_tokens)
-        if plan is None:
-            if not unprocessed:
-                break
-            feedback.append(output.process(unprocessed.popleft()))
-            continue
-        steps += 1
-        assert steps < 10_000, "the scheduler does not make progress"
-        unprocessed.append(executor.execute(plan))
-        if on_step:
-            on_step(sched, plan)
-    sched.blocks.check()
-    return steps
+    on_plan = None if on_step is None else lambda plan: on_step(sched, plan)
+    return drive(sched, executor, output, lag=lag, on_plan=on_plan)
 
 
 def outputs_of(sched_seqs_by_request, output):
