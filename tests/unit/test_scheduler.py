@@ -168,8 +168,7 @@ def test_lag1_finished_request_wastes_one_slot_and_frees_after_its_last_step():
     (seq_id,) = [s.seq_id for s in sched.requests["client", "r"].seqs]
     executor = FakeExecutor(4, VOCAB)
     plans = [sched.schedule()]
-    for ann in sched.take_announcements():
-        output.add(seq_id, ann.sampling.max_tokens)
+    output.announce(sched.take_announcements())
     results = [executor.execute(plans[0])]
     plans.append(sched.schedule())  # step 2 planned ahead of step 1's feedback
     results.append(executor.execute(plans[1]))
@@ -373,9 +372,7 @@ def test_an_urgent_request_is_not_held_behind_a_less_urgent_preempted_one():
     def step() -> list[str]:
         plan = sched.schedule(feedback)
         feedback.clear()
-        for ann in sched.take_announcements():  # on admission
-            for seq_id in ann.seq_ids:
-                output.add(seq_id, ann.sampling.max_tokens)
+        output.announce(sched.take_announcements())  # on admission
         if plan is not None:
             feedback.append(output.process(executor.execute(plan)))
         return sorted({s.request.request_id for s in sched.running})
@@ -665,9 +662,7 @@ def test_a_sequence_that_preempts_itself_by_priority_does_not_end_the_step():
     def step():
         plan = sched.schedule(feedback)
         feedback.clear()
-        for ann in sched.take_announcements():
-            for seq_id in ann.seq_ids:
-                output.add(seq_id, ann.sampling.max_tokens)
+        output.announce(sched.take_announcements())
         if plan is not None:
             feedback.append(output.process(executor.execute(plan)))
         return plan
