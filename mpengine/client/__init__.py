@@ -16,9 +16,11 @@
 The modules, bottom up: ``sockets`` (a DEALER socket to one engine edge and its
 handshake), ``connection`` (both sockets, the one I/O thread that owns them, wire ids,
 abort frames), ``outputs`` (what calls return, assembled from deltas), ``tokens`` (token
-ids, the engine's tokenizer and chat template), ``requests`` (the request state machine and
-each wait, written once for both clients), ``base`` (building and checking requests),
-``sync_client`` (``Client``) and ``async_client`` (``AsyncClient``).
+ids, the engine's tokenizer and chat template), ``waits`` (how a call written as steps is
+waited for: blocking or awaiting), ``requests`` (the request state machine, a batch's
+window, the steps of each wait), ``base`` (building and checking requests), ``calls``
+(every call, written once for both clients), ``sync_client`` (``Client``) and
+``async_client`` (``AsyncClient``): facades that only choose how to wait.
 """
 
 from mpengine.client.async_client import AsyncClient

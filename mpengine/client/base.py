@@ -1,7 +1,6 @@
-"""What ``Client`` and ``AsyncClient`` share: one connection, what the engine shared for
-text (its tokenizer and chat template), and each call's building and checking of
-requests. The two differ only in how they wait (``Inbox`` or ``AsyncInbox``) and in
-keeping long tokenization off the event loop."""
+"""What ``Client`` and ``AsyncClient`` share below their calls (``calls``): one
+connection, what the engine shared for text (its tokenizer and chat template), the
+building and checking of requests, and the client's lifetime."""
 
 from __future__ import annotations
 
@@ -16,9 +15,10 @@ import msgspec
 
 from mpengine.client.connection import Connection, after_fork
 from mpengine.client.outputs import EmbeddingOutput
-from mpengine.client.requests import Batch, Inbox, Request, query_steps
+from mpengine.client.requests import Batch, Request, query_steps
 from mpengine.client.sockets import Deadline
 from mpengine.client.tokens import ChatOptions, Conversation, EngineText, token_array
+from mpengine.client.waits import Inbox, blocking_call
 from mpengine.errors import InvalidRequestError
 from mpengine.protocol import (
     INT32_MAX,
@@ -149,8 +149,7 @@ class ClientBase:
 
     def _query(self, make: Callable[[int], msgspec.Struct], timeout: float) -> Any:
         """Send ``make(query_id)`` and block for the engine's reply."""
-        inbox = Inbox()
-        return inbox.run(query_steps(self._conn, make, inbox.put), Deadline(timeout))
+        return blocking_call(query_steps(self._conn, make, Inbox(), Deadline(timeout)))
 
     # -- requests, built and checked -----------------------------------------------------
 

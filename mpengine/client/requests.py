@@ -1,40 +1,32 @@
-"""Waiting for the engine: one request state machine, and one implementation of each wait
-for both clients.
+"""Waiting for the engine: one request state machine, and the steps (``waits``) of each
+wait, written once for both clients.
 
 ``Request`` is one submitted request seen from its caller: its deltas assembled, and two
 states, ``ended`` (every final delta, or the error, has reached this side: nothing more
 will come) and ``finished`` (the caller has read its final delta).
 
-What a call waits for is written once, as *steps*: a generator that yields what it waits
-for next (as a timeout would name it) and is sent each event that comes, ``(request,
-delta)`` or a query's reply, with no I/O of its own (``Batch.steps``, ``query_steps``).
-``Inbox`` (blocking, for ``Client``) and ``AsyncInbox`` (awaiting, for ``AsyncClient``)
-are the one thing that differs: the queue the I/O thread puts a call's events in, and
-``run``, which drives steps to their end on it. Steps that stop early, by an error, a
+A batch call's requests go in a ``Window`` of the engine's bounds (``Batch.steps``); a
+query waits for its one reply (``query_steps``). Steps that stop early, by an error, a
 timeout or a cancellation, forget their requests and abort those still running in one
-chunked ``Abort``.
+chunked ``Abort`` (``cancel``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import queue
-import sys
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any
 
 import msgspec
 
 from mpengine.client.connection import Connection, Sink
 from mpengine.client.outputs import Assembly, EmbeddingOutput, RequestOutput
 from mpengine.client.sockets import Deadline
+from mpengine.client.waits import AsyncInbox, Inbox, Steps
 from mpengine.protocol import AddRequest, EngineInfo, OutputDelta
 
-T = TypeVar("T")
-# Yields what it waits for next, is sent what came, returns the call's result.
-Steps = Generator[str, Any, T]
+Mailbox = Inbox | AsyncInbox
 
 
 class Request:
@@ -169,25 +161,30 @@ class Batch:
         """The requests, each made (its text tokenized) as it is asked for."""
         return (self.make(*job) for job in self.jobs)
 
-    def steps(self, conn: Connection, made: Iterable[AddRequest], put: Sink) -> Steps[list]:
-        """Submit ``made`` within a ``Window`` of the engine's bounds, then wait for every
-        request to finish; return their results in order. The first refused or failed one
-        raises at once, whichever it is; on any error the unfinished are aborted."""
+    def steps(
+        self, conn: Connection, made: Iterable[AddRequest], inbox: Mailbox, deadline: Deadline
+    ) -> Steps[list]:
+        """Submit ``made`` within a ``Window`` of the engine's bounds, then wait (in
+        ``inbox``, until ``deadline``) for every request to finish; return their results in
+        order. The first refused or failed one raises at once, whichever it is; on any error
+        the unfinished are aborted."""
         window = Window(conn.info)
         requests: list[Request] = []
         try:
             for add in made:
                 while not window.admits(add):  # wait for one in flight to finish
-                    window.release((yield from self._take(None)))
+                    window.release((yield from self._take(inbox, deadline, None)))
                 add.continues = window.released > 0
-                requests.append(Request(conn, add, put, len(requests)))
+                requests.append(Request(conn, add, inbox.put, len(requests)))
                 window.add(requests[-1], len(add.prompt_token_ids))
-            yield from self._take(requests)
+            yield from self._take(inbox, deadline, requests)
             return [self.result(r) for r in requests]
         finally:
             cancel(requests)
 
-    def _take(self, waited: Sequence[Request] | None) -> Steps[list[Request]]:
+    def _take(
+        self, inbox: Mailbox, deadline: Deadline, waited: Sequence[Request] | None
+    ) -> Steps[list[Request]]:
         """Take the batch's events, in arrival order, until every request of ``waited``
         has finished (None: until any request of the batch has); return those that
         finished meanwhile."""
@@ -195,7 +192,7 @@ class Batch:
         done: list[Request] = []
         while left if waited is not None else not done:
             what = f"{len(left)} requests" if left else "the batch's requests"
-            request, item = yield f"{what} aborted: not finished"
+            request, item = yield partial(inbox.get, deadline, f"{what} aborted: not finished")
             request.take(item)
             if request.finished:
                 left.discard(id(request))
@@ -205,72 +202,15 @@ class Batch:
         return done
 
 
-def query_steps(conn: Connection, make: Callable[[int], msgspec.Struct], put: Sink) -> Steps[Any]:
-    """Send ``make(query_id)`` and return the engine's reply."""
-    query_id = conn.query(make, put)
+def query_steps(
+    conn: Connection, make: Callable[[int], msgspec.Struct], inbox: Mailbox, deadline: Deadline
+) -> Steps[Any]:
+    """Send ``make(query_id)`` and return the engine's reply (waited for in ``inbox``)."""
+    query_id = conn.query(make, inbox.put)
     try:
-        reply = yield f"no reply to {make.__name__}"
+        reply = yield partial(inbox.get, deadline, f"no reply to {make.__name__}")
     finally:
         conn.queries.pop(query_id, None)
     if isinstance(reply, BaseException):
         raise reply
     return reply
-
-
-class Inbox:
-    """Where the I/O thread puts one call's events, and the caller blocks for them."""
-
-    def __init__(self) -> None:
-        self._items: queue.SimpleQueue = queue.SimpleQueue()
-        self.put: Sink = self._items.put
-
-    def get(self, deadline: Deadline, what: str) -> Any:
-        try:
-            return self._items.get(timeout=deadline.remaining())
-        except queue.Empty:
-            raise deadline.error(what) from None
-
-    def run(self, steps: Steps[T], deadline: Deadline) -> T:
-        """Drive ``steps`` to their end."""
-        with contextlib.closing(steps):
-            try:
-                what = next(steps)
-                while True:
-                    what = steps.send(self.get(deadline, what))
-            except StopIteration as end:
-                return end.value
-
-
-class AsyncInbox:
-    """``Inbox`` on the event loop the call was made from (putting into it from the I/O
-    thread raises ``RuntimeError`` once the loop is closed, which makes the I/O thread drop
-    and abort the request)."""
-
-    def __init__(self) -> None:
-        self._items: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        self.put: Sink = lambda item: loop.call_soon_threadsafe(self._items.put_nowait, item)
-
-    async def get(self, deadline: Deadline, what: str) -> Any:
-        remaining = deadline.remaining()
-        if remaining is None:
-            return await self._items.get()
-        try:
-            if sys.version_info >= (3, 11):
-                # (wait_for before 3.12 loses a cancellation of the caller that comes in the
-                # loop turn its awaitable finishes in: the caller then ran on to the end.)
-                async with asyncio.timeout(remaining):
-                    return await self._items.get()
-            return await asyncio.wait_for(self._items.get(), remaining)
-        except asyncio.TimeoutError:
-            raise deadline.error(what) from None
-
-    async def run(self, steps: Steps[T], deadline: Deadline) -> T:
-        """Drive ``steps`` to their end."""
-        with contextlib.closing(steps):
-            try:
-                what = next(steps)
-                while True:
-                    what = steps.send(await self.get(deadline, what))
-            except StopIteration as end:
-                return end.value

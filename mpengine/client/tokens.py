@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -90,6 +90,12 @@ class ChatOptions:
     continue_final_message: bool = False
     chat_template_kwargs: Mapping[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> ChatOptions:
+        """The options among a chat call's arguments (its ``locals()``: the calls take them
+        as keywords of these names)."""
+        return cls(**{option.name: arguments[option.name] for option in fields(cls)})
 
 
 class EngineText:

@@ -636,9 +636,10 @@ def test_a_late_reader_still_gets_a_request_that_ended(client):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     stream = client.stream([1, 2, 3], params, timeout=0.3)
     first = next(stream)
-    request = stream.gi_frame.f_locals["request"]  # (the generator's own request)
+    steps = stream.gi_frame.f_locals["steps"].gi_frame  # (the stream's steps, driven)
+    request = steps.f_locals["request"]  # (their own request)
     deadline = time.monotonic() + 30
-    passed = stream.gi_frame.f_locals["deadline"].at
+    passed = steps.f_locals["deadline"].at
     while not request.ended or time.monotonic() < passed:  # (polls)
         assert time.monotonic() < deadline, "the request did not end"
         time.sleep(0.01)
