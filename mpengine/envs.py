@@ -10,6 +10,9 @@ sets them before ``mpengine.launch``.
 - ``MPENGINE_FAULT_SEQS``: comma-separated sequence ids whose sampling raises in the
   executor (only those sequences fail).
 
+With either set, the executor stage runs ``executor.faults.FaultyExecutor``; the executor
+that serves has no fault branches.
+
 One more says where things built on this machine are kept:
 
 - ``MPENGINE_CACHE_DIR``: the built-in tiny models (``models/``) and the CPU attention

@@ -2,5 +2,6 @@
 imports torch."""
 
 from mpengine.executor.executor import Executor
+from mpengine.executor.faults import create_executor
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "create_executor"]

@@ -30,8 +30,9 @@ from collections.abc import Callable
 
 import torch
 
-from mpengine.executor import native_attention
-from mpengine.executor.attention import METADATA_KWARG, AttentionMetadata
+import mpengine.executor.native_attention as native_attention
+from mpengine.executor.attention import METADATA_KWARG
+from mpengine.executor.paged_attention import AttentionMetadata
 from mpengine.executor.torch_attention import NativeDecodePlan, TorchPlan
 
 logger = logging.getLogger(__name__)

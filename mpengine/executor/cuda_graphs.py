@@ -26,8 +26,9 @@ import logging
 import torch
 
 from mpengine.config import EngineConfig
-from mpengine.executor.attention import METADATA_KWARG, AttentionMetadata
+from mpengine.executor.attention import METADATA_KWARG
 from mpengine.executor.input_batch import StepInputs
+from mpengine.executor.paged_attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,12 @@
 """The executor stage: runs one :class:`~mpengine.protocol.StepPlan` per call.
 
 A step, in order: apply the plan's deltas to the per-slot state (host arrays, mirrored on
-the device by :class:`~mpengine.executor.input_batch.InputBatch`), lay the step out on the
-host and move its inputs to the device in one copy, run the model (a captured CUDA graph for
-pure-decode steps on a GPU, eager otherwise), launch sampling with its copy back to the
-host, then wait for the sampled ids; pooling sequences whose last chunk ran get their
-embeddings from the same forward's hidden states (see ``pooler``).
+the device by :class:`~mpengine.executor.input_batch.InputBatch`), take the plan's rows on
+the host without the sequences that cannot run (``plan_checks``), move the step's inputs to
+the device in one copy, run the model (a captured CUDA graph for pure-decode steps on a GPU,
+eager otherwise), launch sampling with its copy back to the host, then wait for the sampled
+ids; pooling sequences whose last chunk ran get their embeddings from the same forward's
+hidden states (see ``pooler``).
 
 An encoder model (BERT family) has no KV cache: each step computes whole prompts, as
 padded batches through the model's own attention (``_execute_encoder``, ``encoder``).
@@ -16,14 +17,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
+import mpengine.executor.linear as linear
+import mpengine.executor.plan_checks as plan_checks
 from mpengine.config import EngineConfig
-from mpengine.envs import InjectedFault, fault_seqs, fault_steps
-from mpengine.executor import linear
 from mpengine.executor.attention import METADATA_KWARG, Backend, choose_backend
 from mpengine.executor.compiled import CompiledDecode
 from mpengine.executor.encoder import Encoder
@@ -34,12 +35,13 @@ from mpengine.executor.kv_cache import (
     allocate_kv_cache,
     allocate_swap_space,
     clear_blocks,
-    num_blocks_for,
 )
+from mpengine.executor.kv_sizing import KVCacheSize, gpu_memory_start, kv_cache_spec, size_kv_cache
 from mpengine.executor.model_loader import LoadedModel, load_model
 from mpengine.executor.pooler import Pooler, finalize
 from mpengine.executor.sampler import PendingSample, Sampler, token_logprobs
 from mpengine.executor.slots import SlotState
+from mpengine.executor.step_rows import StepRows
 from mpengine.executor.threads import ThreadTuner
 from mpengine.protocol import (
     EMPTY_IDS,
@@ -53,7 +55,6 @@ from mpengine.protocol import (
 
 if TYPE_CHECKING:
     from mpengine.executor.cuda_graphs import DecodeGraphs
-    from mpengine.executor.gpu_memory import MemoryStart
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,15 @@ def device_lost(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DEVICE_LOST_MARKS)
 
 
+class PromptChunk(NamedTuple):
+    """A step row that computes prompt positions of a sequence asking for prompt logprobs."""
+
+    row: int  # its row in the step
+    first: int  # the first prompt index it scores
+    logits_rows: np.ndarray  # the batch rows whose logits score it, in prompt order
+    num_top: int  # top alternatives asked for
+
+
 class Executor:
     """Owns the model, the KV cache and the per-slot state; ``execute`` runs one step.
 
@@ -89,79 +99,25 @@ class Executor:
             attention_backend = config.attention_backend
         torch.set_num_threads(config.max_threads)
         self.config = config
-        memory = _gpu_memory_start(config)
+        memory = gpu_memory_start(config)  # before the model takes any of the device's
         self.loaded: LoadedModel = load_model(config)
-        if self.loaded.is_encoder and config.max_num_batched_tokens < self.loaded.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({config.max_num_batched_tokens}) is below max_model_len "
-                f"({self.loaded.max_model_len}): an encoder computes each input whole in one "
-                "step; raise max_num_batched_tokens or lower max_model_len"
-            )
+        _check_encoder_budget(config, self.loaded)
         self.model = self.loaded.model
         self.device = self.loaded.device
         if self.device.type == "cpu":
             linear.install(self.model)  # decode steps' few rows: W @ x^T (see linear.py)
-        spec = KVCacheSpec(
-            num_layers=self.loaded.num_layers,
-            num_kv_heads=self.loaded.num_kv_heads,
-            head_dim=self.loaded.head_dim,
-            block_size=config.block_size,
-            dtype=self.loaded.dtype,
-        )
-        # A layer cache's shape and dtype, with no blocks: what the kernels must take.
-        like = torch.empty(
-            (2, spec.num_kv_heads, 0, spec.block_size, spec.head_dim),
-            dtype=spec.dtype,
-            device=self.device,
-        )
+        spec = kv_cache_spec(self.loaded, config.block_size)
         self.backend: Backend = choose_backend(
-            attention_backend, self.device, like, self.loaded.num_heads
+            attention_backend,
+            self.device,
+            _empty_layer_cache(spec, self.device),
+            self.loaded.num_heads,
         )
-        if self.loaded.is_encoder:
-            self.num_blocks = 0  # whole prompts per step: nothing to keep between steps
-        elif self.device.type == "cuda" and config.num_gpu_blocks_override is None:
-            from mpengine.executor.gpu_memory import profiled_num_blocks
-
-            self.num_blocks = profiled_num_blocks(config, spec, self.loaded, self.backend, memory)
-        else:
-            self.num_blocks = num_blocks_for(config, spec, self.device)
+        size = size_kv_cache(config, self.loaded, spec, self.backend, memory)
+        self.num_blocks, self.max_model_len = size.num_blocks, size.max_model_len
         self.kv_storage = allocate_kv_cache(spec, self.num_blocks, self.device)
         self.kv_caches = list(self.kv_storage.unbind(0))
-        self.swapper: Swapper | None = None
-        num_host_blocks = 0
-        if config.preemption_mode == "swap" and self.num_blocks:
-            num_host_blocks = config.swap_space // spec.bytes_per_block
-            if num_host_blocks == 0:  # (vLLM's --swap-space 4 means GiB; here, bytes)
-                raise ValueError(
-                    f"swap_space ({config.swap_space} bytes) holds no KV block of "
-                    f"{spec.bytes_per_block} bytes: give it in bytes or with a unit "
-                    "(--swap-space 4GiB), or use preemption_mode recompute"
-                )
-            host = allocate_swap_space(spec, num_host_blocks, self.device)
-            self.swapper = Swapper(self.kv_caches, host, self.num_blocks)
-        self.max_model_len = self.loaded.max_model_len
-        capacity = self.num_blocks * config.block_size
-        if self.num_blocks and capacity < self.max_model_len:
-            if config.max_model_len is not None:  # the user's own: not changed behind them
-                raise ValueError(
-                    f"max_model_len {config.max_model_len} is larger than the KV cache holds "
-                    f"({capacity} tokens, {self.num_blocks} blocks of {config.block_size}): "
-                    "give the cache more memory (kv_cache_bytes, gpu_memory_utilization, "
-                    "num_gpu_blocks_override) or lower max_model_len"
-                )
-            # A sequence longer than the whole cache could never run: requests asking for
-            # one (no max_tokens given means "up to max_model_len") were refused.
-            logger.warning(
-                "the KV cache holds %d tokens (%d blocks of %d): max_model_len lowered from %d "
-                "to %d; give the cache more memory (kv_cache_bytes, gpu_memory_utilization) "
-                "for longer sequences",
-                capacity,
-                self.num_blocks,
-                config.block_size,
-                self.max_model_len,
-                capacity,
-            )
-            self.max_model_len = capacity
+        self.swapper = self._swapper(size)
         self.slots = SlotState(
             config.num_slots,
             max_blocks_per_seq=math.ceil(self.max_model_len / config.block_size),
@@ -173,60 +129,43 @@ class Executor:
             self.slots, self.device, config.block_size, self.backend, self.kv_caches
         )
         self.sampler = Sampler(self.device, config.seed)
-        self.pooler: Pooler | None = None
         # The last hidden state of the step being run, kept by a hook on the base model
         # while a step pools (a causal LM's forward returns only logits).
         self._hidden: torch.Tensor | None = None
         self._keep_hidden = False
-        if self.loaded.pooling is not None and not self.loaded.is_encoder:
-            self.pooler = Pooler(config.num_slots, self.loaded.pooling.hidden_size, self.device)
-            if self.loaded.can_generate:
-                self.model.base_model.register_forward_hook(self._hidden_hook)
+        self.pooler = self._pooler()
         self.graphs = self._capture_graphs()
         tuned = self.device.type == "cpu" and config.num_threads is None and config.max_threads > 1
         thread_counts = (1, config.max_threads) if tuned else (config.max_threads,)
-        self.compiled: CompiledDecode | None = None
-        if config.compile_decode:
-            if self.backend == "native" and self.loaded.can_generate and self.pooler is None:
-                self.compiled = CompiledDecode.compile(self.model, self.kv_caches, thread_counts)
-            else:
-                logger.warning(
-                    "compile_decode ignored: it compiles the decode steps of a generating "
-                    "model without pooling on native attention (here %s attention, "
-                    "generating %s, pooling %s)",
-                    self.backend,
-                    self.loaded.can_generate,
-                    self.loaded.pooling is not None,
-                )
-        self.encoder: Encoder | None = None
-        if self.loaded.is_encoder:
-            self.encoder = Encoder(self.model, self.device, self.loaded.pooling.hidden_size)
-            self.encoder.calibrate(self.max_model_len)
+        self.compiled = self._compile_decode(thread_counts)
+        self.encoder = self._encoder()
         self.threads = ThreadTuner(thread_counts) if tuned else None
         self.requests: dict[int, RequestParams] = {}  # by key, from plan to release
-        self.fault_steps, self.fault_seqs = fault_steps(), fault_seqs()
         # The last step's phases: (name, perf_counter() when it began), in order, closed by
         # ("end", t). The runtime charges them to the step breakdown (runtime/timing.py).
         self.marks: list[tuple[str, float]] = []
-        self.info = ModelInfo(
-            model_path=self.loaded.path,
-            tokenizer_path=config.tokenizer or self.loaded.path,
-            vocab_size=self.loaded.vocab_size,
-            max_model_len=self.max_model_len,
-            num_blocks=self.num_blocks,
-            block_size=config.block_size,
-            eos_token_ids=self.loaded.eos_token_ids,
-            kv_cache_bytes=self.num_blocks * spec.bytes_per_block,
-            device=str(self.device),
-            dtype=_DTYPE_NAMES.get(self.loaded.dtype, str(self.loaded.dtype)),
-            num_threads=config.max_threads,
-            thread_tuning=self.threads is not None,
-            pooling=self.loaded.pooling,
-            can_generate=self.loaded.can_generate,
-            num_host_blocks=num_host_blocks,
-            sampling_defaults=self.loaded.sampling_defaults,
-        )
+        self.info = self._model_info(size)
         logger.info("executor ready (%s attention): %s", self.backend, self.info)
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    def _swapper(self, size: KVCacheSize) -> Swapper | None:
+        """The copies between the cache and its swap space (``preemption_mode`` swap)."""
+        if not size.num_host_blocks:
+            return None
+        host = allocate_swap_space(size.spec, size.num_host_blocks, self.device)
+        return Swapper(self.kv_caches, host, self.num_blocks)
+
+    def _pooler(self) -> Pooler | None:
+        """A decoder that embeds: its per-slot pooling state, and for a causal LM the hook
+        that keeps the hidden states its forward does not return."""
+        pooling = self.loaded.pooling
+        if pooling is None or self.loaded.is_encoder:
+            return None
+        pooler = Pooler(self.config.num_slots, pooling.hidden_size, self.device)
+        if self.loaded.can_generate:
+            self.model.base_model.register_forward_hook(self._hidden_hook)
+        return pooler
 
     def _hidden_hook(self, module: torch.nn.Module, args: object, output: object) -> None:
         if self._keep_hidden:
@@ -250,6 +189,55 @@ class Executor:
             max_num_seqs=max_graph_batch(self.config),
             max_blocks_per_seq=self.slots.block_table.shape[1],
         )
+
+    def _compile_decode(self, thread_counts: tuple[int, ...]) -> CompiledDecode | None:
+        """``compile_decode``: decode steps through ``torch.compile``, for each thread count
+        the tuner may pick, where it applies."""
+        if not self.config.compile_decode:
+            return None
+        if self.backend == "native" and self.loaded.can_generate and self.pooler is None:
+            return CompiledDecode.compile(self.model, self.kv_caches, thread_counts)
+        logger.warning(
+            "compile_decode ignored: it compiles the decode steps of a generating "
+            "model without pooling on native attention (here %s attention, "
+            "generating %s, pooling %s)",
+            self.backend,
+            self.loaded.can_generate,
+            self.loaded.pooling is not None,
+        )
+        return None
+
+    def _encoder(self) -> Encoder | None:
+        """An encoder model's padded batches, calibrated (see ``encoder``)."""
+        if not self.loaded.is_encoder:
+            return None
+        assert self.loaded.pooling is not None
+        encoder = Encoder(self.model, self.device, self.loaded.pooling.hidden_size)
+        encoder.calibrate(self.max_model_len)
+        return encoder
+
+    def _model_info(self, size: KVCacheSize) -> ModelInfo:
+        loaded = self.loaded
+        return ModelInfo(
+            model_path=loaded.path,
+            tokenizer_path=self.config.tokenizer or loaded.path,
+            vocab_size=loaded.vocab_size,
+            max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks,
+            block_size=self.config.block_size,
+            eos_token_ids=loaded.eos_token_ids,
+            kv_cache_bytes=size.num_bytes,
+            device=str(self.device),
+            dtype=_DTYPE_NAMES.get(loaded.dtype, str(loaded.dtype)),
+            num_threads=self.config.max_threads,
+            thread_tuning=self.threads is not None,
+            pooling=loaded.pooling,
+            can_generate=loaded.can_generate,
+            num_host_blocks=size.num_host_blocks,
+            sampling_defaults=loaded.sampling_defaults,
+        )
+
+    # -- a step -----------------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run ``plan``: apply its slot and block-table changes, compute its tokens, sample.
@@ -280,7 +268,7 @@ class Executor:
             message = f"{type(exc).__name__}: {exc}"
             for seq_id in plan.seq_ids.numpy().tolist():
                 failures.setdefault(seq_id, message)
-            result = StepResult(step=plan.step, seq_ids=Array.of([], "int64"), token_ids=EMPTY_IDS)
+            result = _empty_result(plan.step)
         finally:
             for key in plan.released_requests.numpy().tolist():
                 self.requests.pop(key, None)
@@ -297,96 +285,75 @@ class Executor:
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan, failures: dict[int, str]) -> StepResult:
+        """A decoder's step, in the order of the module doc; each phase is marked."""
         # 1. slot resets, then block-table deltas (host state, then its device mirror)
         self._apply_deltas(plan, failures)
 
-        # 2. the step's layout on the host, without the sequences that cannot run
-        slots, starts, num_tokens, sample, seq_ids, token_ids = self._layout(plan)
-        keep = self._runnable(slots, starts, num_tokens, seq_ids, token_ids, failures)
+        # 2. the step's rows on the host, without the sequences that cannot run
+        rows = self._checked_rows(plan)
+        keep = self._runnable(rows, failures)
         if not keep.all():
-            token_ids = token_ids[np.repeat(keep, num_tokens)]
-            slots, starts, num_tokens = slots[keep], starts[keep], num_tokens[keep]
-            sample, seq_ids = sample[keep], seq_ids[keep]
-        total = int(num_tokens.sum())
-        first_token = np.cumsum(num_tokens) - num_tokens
-        self._record_tokens(slots, starts, num_tokens, token_ids)
+            rows = rows.select(keep)
+        self._record_tokens(rows)
 
         # 3. which logits rows are needed (sampling positions, then prompt-logprob positions);
         # the step's inputs on the device. A pooling sequence "samples" when its last chunk
         # runs: it is pooled instead.
-        pool_kinds = self.slots.pool_kind[slots]
-        pooled = np.flatnonzero(sample & (pool_kinds >= 0))
-        sampling = np.flatnonzero(sample & (pool_kinds < 0))
-        sample_rows = first_token[sampling] + num_tokens[sampling] - 1
-        prompt_chunks = self._prompt_logprob_chunks(slots, starts, num_tokens, first_token)
-        rows_kept = np.concatenate([sample_rows, *(rows for _, _, rows, _ in prompt_chunks)])
-        # A chunk that samples nothing still runs: its keys and values fill the cache.
-        inputs = (
-            self.batch.prepare(slots, starts, num_tokens, token_ids, rows_kept, slots[sampling])
-            if total
-            else None
-        )
-        if total and plan.step in self.fault_steps:
-            raise InjectedFault(f"injected failure of step {plan.step} (MPENGINE_FAULT_STEPS)")
+        pool_kinds = self.slots.pool_kind[rows.slots]
+        pooled = np.flatnonzero(rows.sample & (pool_kinds >= 0))
+        sampling = np.flatnonzero(rows.sample & (pool_kinds < 0))
+        prompt_chunks = self._prompt_logprob_chunks(rows)
+        inputs = self._prepare(rows, sampling, prompt_chunks)
 
         # 4. forward, into blocks zeroed where it writes their first row
         self.marks.append(("forward", time.perf_counter()))
-        if inputs is not None:
-            clear_blocks(self.kv_storage, inputs.new_blocks)
         pools = bool((pool_kinds >= 0).any())
         logits, hidden = self._forward(inputs, pools) if inputs is not None else (None, None)
 
         # 5. sample, then wait for the ids on the host ("copy": from sampling launched to the
         # ids on the host); remember each sampled token for the slot's next decode
         self.marks.append(("sample", time.perf_counter()))
-        result = StepResult(step=plan.step, seq_ids=Array.of([], "int64"), token_ids=EMPTY_IDS)
+        result = _empty_result(plan.step)
         if len(sampling):
             assert logits is not None and inputs is not None
-            contexts = starts[sampling] + num_tokens[sampling]
-            ok, error, pending = self._sample(
-                logits[: len(sampling)], slots[sampling], contexts, inputs.sample_slots
-            )
-            if pending is not None and ok.all():
-                self.batch.record_sampled(inputs.sample_slots, pending.token_ids)
-            self.marks.append(("copy", time.perf_counter()))
-            for row in np.flatnonzero(~ok):
-                failures[int(seq_ids[sampling[row]])] = error
-            sampled = sampling[ok]
-            if pending is not None:
-                self._collect(pending, result, slots[sampled], synced=bool(ok.all()))
-            result.seq_ids = Array.of(seq_ids[sampled], "int64")
+            self._sample_step(result, rows, sampling, logits, inputs.sample_slots, failures)
 
         # 6. pooling: fold the chunks in, finish the sequences whose last chunk ran
         if pools:
             self.marks.append(("pool", time.perf_counter()))
-            first = first_token
-            try:
-                if hidden is None:
-                    raise RuntimeError("the model's forward kept no hidden states to pool")
-                self._pool(result, hidden, pool_kinds, slots, starts, num_tokens, first, pooled)
-            except Exception as exc:
-                if device_lost(exc):
-                    raise
-                logger.exception("pooling failed in step %d", plan.step)
-                for i in np.flatnonzero(pool_kinds >= 0):
-                    failures.setdefault(int(seq_ids[i]), f"{type(exc).__name__}: {exc}")
-                result.pooled_seq_ids, result.embeddings = EMPTY_IDS, None
-            if len(pooled) and result.embeddings is not None:
-                result.pooled_seq_ids = Array.of(seq_ids[pooled], "int64")
+            self._pool(result, rows, pool_kinds, pooled, hidden, failures)
 
-        # 7. prompt logprobs, one entry per chunk
+        # 7. prompt logprobs, one entry per chunk (their logits follow the sampling rows')
         self.marks.append(("finish", time.perf_counter()))
-        offset = len(sampling)
-        for i, first, rows, num_top in prompt_chunks:
-            targets = self.slots.prompt_token_ids[slots[i]][first : first + len(rows)]
-            chunk_logits = logits[offset : offset + len(rows)]
-            offset += len(rows)
-            if int(seq_ids[i]) in failures:
-                continue
-            target_ids = torch.from_numpy(targets.astype(np.int64)).to(self.device)
-            logprobs = token_logprobs(chunk_logits, target_ids, num_top)
-            result.prompt_logprobs.append(PromptLogprobs(int(seq_ids[i]), first, logprobs))
+        if prompt_chunks:
+            assert logits is not None
+            chunk_logits = logits[len(sampling) :]
+            self._add_prompt_logprobs(result, rows, prompt_chunks, chunk_logits, failures)
         return result
+
+    @torch.inference_mode()
+    def _execute_encoder(self, plan: StepPlan, failures: dict[int, str]) -> StepResult:
+        """An encoder's step: every scheduled sequence is a whole prompt (no KV cache to
+        continue from), run as padded batches of similar lengths, then pooled."""
+        self._apply_deltas(plan, failures)
+        rows = self._checked_rows(plan)
+        keep = self._runnable(rows, failures)
+        whole = plan_checks.whole_prompts(rows, self.slots.num_prompt, self.slots.pool_kind)
+        for i in np.flatnonzero(keep & ~whole):
+            failures[int(rows.seq_ids[i])] = plan_checks.NOT_WHOLE
+        rows = rows.select(keep & whole)
+        result = _empty_result(plan.step)
+        if not len(rows):
+            return result
+        self.marks.append(("forward", time.perf_counter()))
+        vectors = self._encode(rows)
+        self.marks.append(("pool", time.perf_counter()))
+        result.embeddings = self._finalize(vectors, rows.slots)
+        result.pooled_seq_ids = Array.of(rows.seq_ids, "int64")
+        self.marks.append(("finish", time.perf_counter()))
+        return result
+
+    # -- the plan's changes and rows --------------------------------------------------------
 
     def _swap(self, plan: StepPlan) -> None:
         """Swap-outs, then swap-ins (the scheduler's order), before anything else of the
@@ -401,7 +368,7 @@ class Executor:
     def _apply_deltas(self, plan: StepPlan, failures: dict[int, str]) -> None:
         """Slot starts, then block-table entries, on the host; then the rows they touched
         on the device."""
-        started = []
+        started: list[int] = []
         for seq in plan.new_seqs:
             started.append(seq.slot)
             try:
@@ -410,39 +377,114 @@ class Executor:
                 logger.warning("seq %d cannot start: %r", seq.seq_id, exc)
                 failures[seq.seq_id] = f"{type(exc).__name__}: {exc}"
         if self.pooler is not None and started:
-            started_slots = np.asarray(started, np.int64)
-            started_slots = started_slots[
-                (started_slots >= 0) & (started_slots < len(self.slots.seq_id))
-            ]
-            self.pooler.reset(started_slots[self.slots.pool_kind[started_slots] >= 0])
+            slots = plan_checks.slots_in_range(np.asarray(started, np.int64), self.slots.num_slots)
+            self.pooler.reset(slots[self.slots.pool_kind[slots] >= 0])
         try:
             self._update_block_table(plan)
         finally:
             touched = np.concatenate([np.asarray(started, np.int64), plan.block_slots.numpy()])
-            touched = touched[(touched >= 0) & (touched < self.slots.num_slots)]
-            self.batch.sync_rows(touched)
+            self.batch.sync_rows(plan_checks.slots_in_range(touched, self.slots.num_slots))
 
-    def _record_tokens(
-        self, slots: np.ndarray, starts: np.ndarray, num_tokens: np.ndarray, token_ids: np.ndarray
-    ) -> None:
+    def _update_block_table(self, plan: StepPlan) -> None:
+        if not len(plan.block_ids):
+            return
+        slots, indices, block_ids = (
+            plan.block_slots.numpy(),
+            plan.block_indices.numpy(),
+            plan.block_ids.numpy(),
+        )
+        # Checked on the host: a bad index on a GPU is a device assert that ends the process.
+        table = self.slots.block_table
+        plan_checks.check_block_updates(slots, indices, block_ids, table.shape, self.num_blocks)
+        table[slots, indices] = block_ids
+
+    def _checked_rows(self, plan: StepPlan) -> StepRows:
+        """The plan's rows on the host, checked for shape (else the step fails)."""
+        rows = StepRows.of(plan)
+        plan_checks.check_rows(rows, self.slots.num_slots)
+        return rows
+
+    def _runnable(self, rows: StepRows, failures: dict[int, str]) -> np.ndarray:
+        """Which rows can run ([N] bool); the others go to ``failures`` with a reason (a
+        sequence that failed already, at its start, keeps its first one)."""
+        reasons = plan_checks.why_unrunnable(
+            rows,
+            self.slots.last_token,
+            self.slots.seq_id,
+            self.loaded.vocab_size,
+            self.max_model_len,
+        )
+        for i in np.flatnonzero(reasons != ""):
+            failures.setdefault(int(rows.seq_ids[i]), str(reasons[i]))
+        keep = reasons == ""
+        if failures:
+            keep &= ~np.isin(rows.seq_ids, np.fromiter(failures, np.int64, len(failures)))
+        if not keep.all():
+            table, block_size = self.slots.block_table, self.config.block_size
+            for i in plan_checks.readers_of_unwritten(rows, keep, table, block_size):
+                keep[i] = False
+                failures.setdefault(int(rows.seq_ids[i]), plan_checks.READS_UNWRITTEN)
+        return keep
+
+    def _record_tokens(self, rows: StepRows) -> None:
         """Remember the tokens of sequences with penalties (the only readers), their ``-1``
-        tokens filled in from the slots' last sampled tokens (``token_ids`` keeps its ``-1``s:
+        tokens filled in from the slots' last sampled tokens (``rows`` keeps its ``-1``s:
         the device fills them from its own copy)."""
-        token_slots = np.repeat(slots, num_tokens)
+        token_slots = rows.token_slots()
         keep = self.slots.has_penalties[token_slots]
         if not keep.any():
             return
-        first_token = np.cumsum(num_tokens) - num_tokens
-        positions = np.arange(len(token_ids)) + np.repeat(starts - first_token, num_tokens)
+        positions = rows.positions()
+        token_ids = rows.token_ids
         resolved = np.where(token_ids < 0, self.slots.last_token[token_slots], token_ids)
         self.slots.record(token_slots[keep], positions[keep], resolved[keep])
+
+    def _prompt_logprob_chunks(self, rows: StepRows) -> list[PromptChunk]:
+        """The rows that compute prompt positions of sequences asking for prompt logprobs.
+
+        The logits at position ``p`` score prompt token ``p + 1``, so a chunk over
+        ``[s, e)`` scores prompt tokens ``s + 1 .. min(e, P - 1)``; the last prompt position's
+        logits are the first sample's, not a prompt logprob.
+        """
+        wanting = np.flatnonzero(self.slots.prompt_logprobs[rows.slots] >= 0)
+        if not len(wanting):
+            return []
+        first_token = rows.first_token
+        chunks: list[PromptChunk] = []
+        for i in wanting:
+            slot, start = rows.slots[i], int(rows.starts[i])
+            prompt = self.slots.prompt_token_ids[slot]
+            assert prompt is not None
+            end = min(start + int(rows.num_tokens[i]), len(prompt) - 1)
+            if end <= start:
+                continue
+            logits_rows = first_token[i] + np.arange(end - start)
+            num_top = int(self.slots.prompt_logprobs[slot])
+            chunks.append(PromptChunk(int(i), start + 1, logits_rows, num_top))
+        return chunks
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def _prepare(
+        self, rows: StepRows, sampling: np.ndarray, prompt_chunks: list[PromptChunk]
+    ) -> StepInputs | None:
+        """The step's inputs on the device (None for a step of no tokens), keeping the
+        logits of the ``sampling`` rows' last tokens, then of the prompt chunks' rows. A
+        chunk that samples nothing still runs: its keys and values fill the cache."""
+        if not len(rows.token_ids):
+            return None
+        sample_rows = rows.first_token[sampling] + rows.num_tokens[sampling] - 1
+        logits_rows = np.concatenate([sample_rows, *(c.logits_rows for c in prompt_chunks)])
+        return self.batch.prepare(rows, logits_rows, rows.slots[sampling])
 
     def _forward(
         self, inputs: StepInputs, pools: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits ``[len(inputs.logits_rows), vocab]`` (None for a model that only embeds)
         and, when the step pools, the last hidden state ``[T, hidden]``: a captured graph for
-        a pure-decode step that fits one, the model run eagerly otherwise."""
+        a pure-decode step that fits one, the model run eagerly otherwise. The blocks whose
+        first row the step writes are zeroed first (see ``kv_cache.clear_blocks``)."""
+        clear_blocks(self.kv_storage, inputs.new_blocks)
         metadata = inputs.metadata
         if not pools and self.graphs is not None and self.graphs.fits(metadata):
             return self.graphs.replay(inputs).index_select(0, inputs.logits_rows), None
@@ -465,60 +507,40 @@ class Executor:
         hidden, self._hidden = self._hidden, None
         return output.logits[0], hidden
 
-    def _pool(
+    def _encode(self, rows: StepRows) -> torch.Tensor:
+        """An encoder's forward: the pooled vectors of the whole prompts ``rows``."""
+        assert self.encoder is not None
+        kinds = self.slots.pool_kind[rows.slots]
+        return self.encoder.encode(rows.token_ids, rows.num_tokens, kinds)
+
+    # -- sampling ---------------------------------------------------------------------------
+
+    def _sample_step(
         self,
         result: StepResult,
-        hidden: torch.Tensor,
-        kinds: np.ndarray,
-        slots: np.ndarray,
-        starts: np.ndarray,
-        num_tokens: np.ndarray,
-        first_token: np.ndarray,
-        pooled: np.ndarray,
+        rows: StepRows,
+        sampling: np.ndarray,
+        logits: torch.Tensor,
+        sample_slots: torch.Tensor,
+        failures: dict[int, str],
     ) -> None:
-        """Fold the step's pooling chunks into their slots; put the finished sequences'
-        embeddings (plan indices ``pooled``) in ``result``."""
-        assert self.pooler is not None
-        self.pooler.accumulate(hidden, kinds, slots, starts, num_tokens, first_token)
-        if not len(pooled):
-            return
-        lengths = starts[pooled] + num_tokens[pooled]
-        last_rows = first_token[pooled] + num_tokens[pooled] - 1
-        vectors = self.pooler.finish(hidden, kinds[pooled], slots[pooled], last_rows, lengths)
-        result.embeddings = self._finalize(vectors, slots[pooled])
-
-    def _finalize(self, vectors: torch.Tensor, slots: np.ndarray) -> Array:
-        dims = self.slots.pool_dims[slots]
-        dims = np.where(dims > 0, dims, vectors.shape[1])
-        return Array.of(finalize(vectors, self.slots.pool_normalize[slots], dims), "float32")
-
-    @torch.inference_mode()
-    def _execute_encoder(self, plan: StepPlan, failures: dict[int, str]) -> StepResult:
-        """An encoder's step: every scheduled sequence is a whole prompt (no KV cache to
-        continue from), run as padded batches of similar lengths, then pooled."""
-        self._apply_deltas(plan, failures)
-        slots, starts, num_tokens, sample, seq_ids, token_ids = self._layout(plan)
-        keep = self._runnable(slots, starts, num_tokens, seq_ids, token_ids, failures)
-        whole = (starts == 0) & (num_tokens == self.slots.num_prompt[slots]) & sample
-        whole &= self.slots.pool_kind[slots] >= 0
-        for i in np.flatnonzero(keep & ~whole):
-            failures[int(seq_ids[i])] = "an encoder model computes whole prompts, in one step"
-        token_ids = token_ids[np.repeat(keep & whole, num_tokens)]
-        keep &= whole
-        slots, num_tokens, seq_ids = slots[keep], num_tokens[keep], seq_ids[keep]
-        result = StepResult(step=plan.step, seq_ids=Array.of([], "int64"), token_ids=EMPTY_IDS)
-        if not len(slots):
-            return result
-        if plan.step in self.fault_steps:
-            raise InjectedFault(f"injected failure of step {plan.step} (MPENGINE_FAULT_STEPS)")
-        self.marks.append(("forward", time.perf_counter()))
-        assert self.encoder is not None
-        vectors = self.encoder.encode(token_ids, num_tokens, self.slots.pool_kind[slots])
-        self.marks.append(("pool", time.perf_counter()))
-        result.embeddings = self._finalize(vectors, slots)
-        result.pooled_seq_ids = Array.of(seq_ids, "int64")
-        self.marks.append(("finish", time.perf_counter()))
-        return result
+        """Sample the rows ``sampling`` (their logits first in ``logits``, their slots
+        ``sample_slots`` on the device) into ``result``; a row whose sampling fails goes to
+        ``failures``."""
+        contexts = rows.starts[sampling] + rows.num_tokens[sampling]
+        sampling_logits = logits[: len(sampling)]
+        ok, error, pending = self._sample(
+            sampling_logits, rows.slots[sampling], contexts, sample_slots
+        )
+        if pending is not None and ok.all():
+            self.batch.record_sampled(sample_slots, pending.token_ids)
+        self.marks.append(("copy", time.perf_counter()))
+        for row in np.flatnonzero(~ok):
+            failures[int(rows.seq_ids[sampling[row]])] = error
+        sampled = sampling[ok]
+        if pending is not None:
+            self._collect(pending, result, rows.slots[sampled], synced=bool(ok.all()))
+        result.seq_ids = Array.of(rows.seq_ids[sampled], "int64")
 
     def _sample(
         self,
@@ -563,8 +585,6 @@ class Executor:
         contexts: np.ndarray,
         device_slots: torch.Tensor | None = None,
     ) -> PendingSample:
-        if self.fault_seqs and not self.fault_seqs.isdisjoint(self.slots.seq_id[slots].tolist()):
-            raise InjectedFault("injected sampling failure (MPENGINE_FAULT_SEQS)")
         rows = self.slots.sampling_rows(slots, contexts)
         params = self.batch.sampling_params_of(slots if device_slots is None else device_slots)
         return self.sampler.sample_async(logits, rows, params)
@@ -583,163 +603,88 @@ class Executor:
         if not synced:
             self.batch.sync_rows(slots)
 
-    def _prompt_logprob_chunks(
+    def _add_prompt_logprobs(
         self,
-        slots: np.ndarray,
-        starts: np.ndarray,
-        num_tokens: np.ndarray,
-        first_token: np.ndarray,
-    ) -> list[tuple[int, int, np.ndarray, int]]:
-        """Per chunk that computes prompt positions of a sequence asking for prompt
-        logprobs: (plan index, first prompt index scored, batch rows, top-N).
-
-        The logits at position ``p`` score prompt token ``p + 1``, so a chunk over
-        ``[s, e)`` scores prompt tokens ``s + 1 .. min(e, P - 1)``; the last prompt position's
-        logits are the first sample's, not a prompt logprob.
-        """
-        chunks = []
-        for i in np.flatnonzero(self.slots.prompt_logprobs[slots] >= 0):
-            prompt = self.slots.prompt_token_ids[slots[i]]
-            assert prompt is not None
-            end = min(starts[i] + num_tokens[i], len(prompt) - 1)
-            if end <= starts[i]:
+        result: StepResult,
+        rows: StepRows,
+        chunks: list[PromptChunk],
+        logits: torch.Tensor,
+        failures: dict[int, str],
+    ) -> None:
+        """One entry per chunk, from its rows of ``logits`` (the chunks', in order); a
+        sequence that failed gets none."""
+        offset = 0
+        for chunk in chunks:
+            num_rows = len(chunk.logits_rows)
+            chunk_logits = logits[offset : offset + num_rows]
+            offset += num_rows
+            seq_id = int(rows.seq_ids[chunk.row])
+            if seq_id in failures:
                 continue
-            rows = first_token[i] + np.arange(end - starts[i])
-            chunks.append(
-                (int(i), int(starts[i]) + 1, rows, int(self.slots.prompt_logprobs[slots[i]]))
-            )
-        return chunks
+            prompt = self.slots.prompt_token_ids[rows.slots[chunk.row]]
+            assert prompt is not None
+            targets = prompt[chunk.first : chunk.first + num_rows].astype(np.int64)
+            target_ids = torch.from_numpy(targets).to(self.device)
+            logprobs = token_logprobs(chunk_logits, target_ids, chunk.num_top)
+            result.prompt_logprobs.append(PromptLogprobs(seq_id, chunk.first, logprobs))
 
-    def _update_block_table(self, plan: StepPlan) -> None:
-        if not len(plan.block_ids):
-            return
-        table = self.slots.block_table
-        slots, indices, ids = (
-            plan.block_slots.numpy(),
-            plan.block_indices.numpy(),
-            plan.block_ids.numpy(),
-        )
-        if not len(slots) == len(indices) == len(ids):
-            raise ValueError("block_slots, block_indices and block_ids differ in length")
-        # Checked on the host: a bad index on a GPU is a device assert that ends the process.
-        if slots.min() < 0 or slots.max() >= table.shape[0]:
-            raise ValueError("block table update names a slot out of range")
-        if indices.min() < 0 or indices.max() >= table.shape[1]:
-            raise ValueError(f"block index out of range [0, {table.shape[1]})")
-        if ids.min() < 0 or ids.max() >= self.num_blocks:
-            raise ValueError(f"block id out of range [0, {self.num_blocks})")
-        table[slots, indices] = ids
+    # -- pooling ----------------------------------------------------------------------------
 
-    def _layout(self, plan: StepPlan) -> tuple[np.ndarray, ...]:
-        """The plan's per-sequence arrays as writable host copies (slots, starts, token
-        counts, sample flags, seq ids, then the flat token ids), checked for shape."""
-        slots = plan.slots.numpy().astype(np.int64)
-        starts = plan.starts.numpy().astype(np.int64)
-        num_tokens = plan.num_tokens.numpy().astype(np.int64)
-        sample = plan.sample.numpy().astype(bool)
-        seq_ids = plan.seq_ids.numpy().astype(np.int64)
-        self._check_plan(plan, slots, starts, num_tokens, sample, seq_ids)
-        return slots, starts, num_tokens, sample, seq_ids, plan.token_ids.numpy().astype(np.int64)
-
-    def _check_plan(
+    def _pool(
         self,
-        plan: StepPlan,
-        slots: np.ndarray,
-        starts: np.ndarray,
-        num_tokens: np.ndarray,
-        sample: np.ndarray,
-        seq_ids: np.ndarray,
-    ) -> None:
-        """The plan's shape; a plan that fails these is wrong as a whole."""
-        n = len(slots)
-        if not len(starts) == len(num_tokens) == len(sample) == len(seq_ids) == n:
-            raise ValueError("plan arrays differ in length")
-        if n and num_tokens.min() < 1:
-            raise ValueError("every scheduled sequence needs >= 1 token")
-        if len(plan.token_ids) != int(num_tokens.sum()):
-            raise ValueError(
-                f"plan has {len(plan.token_ids)} token ids for {num_tokens.sum()} tokens"
-            )
-        if n and (slots.min() < 0 or slots.max() >= self.slots.num_slots):
-            raise ValueError(f"slot out of range [0, {self.slots.num_slots})")
-
-    def _runnable(
-        self,
-        slots: np.ndarray,
-        starts: np.ndarray,
-        num_tokens: np.ndarray,
-        seq_ids: np.ndarray,
-        token_ids: np.ndarray,
-        failures: dict[int, str],
-    ) -> np.ndarray:
-        """Which scheduled sequences can run; the others go to ``failures`` with a reason."""
-        reasons = np.full(len(slots), "", dtype=object)
-        token_seq = np.repeat(np.arange(len(slots)), num_tokens)
-        pending = token_ids < 0
-        no_token = np.zeros(len(slots), bool)
-        no_token[token_seq[pending & (self.slots.last_token[slots[token_seq]] < 0)]] = True
-        bad_id = np.zeros(len(slots), bool)
-        bad_id[token_seq[token_ids >= self.loaded.vocab_size]] = True
-        reasons[bad_id] = f"a token id is out of range [0, {self.loaded.vocab_size})"
-        reasons[no_token] = "a -1 token refers to a slot that has sampled nothing yet"
-        reasons[(starts < 0) | (starts + num_tokens > self.max_model_len)] = (
-            f"positions outside [0, max_model_len={self.max_model_len})"
-        )
-        reasons[self.slots.seq_id[slots] != seq_ids] = (
-            "the sequence does not hold its slot (an earlier step of it failed)"
-        )
-        for i in np.flatnonzero(reasons != ""):
-            failures.setdefault(int(seq_ids[i]), str(reasons[i]))
-        keep = reasons == ""
-        if failures:
-            keep &= ~np.isin(seq_ids, np.fromiter(failures, np.int64, len(failures)))
-        if not keep.all():
-            self._drop_readers_of_unwritten(slots, starts, num_tokens, seq_ids, keep, failures)
-        return keep
-
-    def _drop_readers_of_unwritten(
-        self,
-        slots: np.ndarray,
-        starts: np.ndarray,
-        num_tokens: np.ndarray,
-        seq_ids: np.ndarray,
-        keep: np.ndarray,
+        result: StepResult,
+        rows: StepRows,
+        kinds: np.ndarray,
+        pooled: np.ndarray,
+        hidden: torch.Tensor | None,
         failures: dict[int, str],
     ) -> None:
-        """A sequence may start from prefix blocks another sequence of the same step
-        computes (the scheduler shares them at once, as vLLM does): when that one cannot
-        run, its blocks stay unwritten, and the sequences reading them fail too, rather
-        than attend to whatever the blocks held (``keep`` is updated in place)."""
-        size = self.config.block_size
-        table = self.slots.block_table
-        while True:
-            unwritten: set[int] = set()
-            for i in np.flatnonzero(~keep):
-                if 0 <= slots[i] < len(table):
-                    first, last = starts[i] // size, (starts[i] + num_tokens[i] - 1) // size
-                    unwritten.update(table[slots[i], first : last + 1].tolist())
-            unwritten.discard(-1)
-            dropped = False
-            for j in np.flatnonzero(keep):
-                read = table[slots[j], : -(-int(starts[j]) // size)].tolist()
-                if not unwritten.isdisjoint(read):
-                    keep[j], dropped = False, True
-                    failures.setdefault(
-                        int(seq_ids[j]),
-                        "its prompt's prefix blocks were computed by a sequence that failed",
-                    )
-            if not dropped:
-                return
+        """Fold the step's pooling chunks (``kinds``: each row's pooling, -1 for none) into
+        their slots; put the embeddings of the sequences whose last chunk ran (rows
+        ``pooled``) in ``result``. If that fails, every pooling sequence of the step does."""
+        first_token = rows.first_token
+        try:
+            assert self.pooler is not None
+            if hidden is None:
+                raise RuntimeError("the model's forward kept no hidden states to pool")
+            self.pooler.accumulate(
+                hidden, kinds, rows.slots, rows.starts, rows.num_tokens, first_token
+            )
+            if len(pooled):
+                lengths = rows.starts[pooled] + rows.num_tokens[pooled]
+                last_rows = first_token[pooled] + rows.num_tokens[pooled] - 1
+                slots = rows.slots[pooled]
+                vectors = self.pooler.finish(hidden, kinds[pooled], slots, last_rows, lengths)
+                result.embeddings = self._finalize(vectors, slots)
+                result.pooled_seq_ids = Array.of(rows.seq_ids[pooled], "int64")
+        except Exception as exc:
+            if device_lost(exc):
+                raise
+            logger.exception("pooling failed in step %d", result.step)
+            for i in np.flatnonzero(kinds >= 0):
+                failures.setdefault(int(rows.seq_ids[i]), f"{type(exc).__name__}: {exc}")
+            result.pooled_seq_ids, result.embeddings = EMPTY_IDS, None
+
+    def _finalize(self, vectors: torch.Tensor, slots: np.ndarray) -> Array:
+        dims = self.slots.pool_dims[slots]
+        dims = np.where(dims > 0, dims, vectors.shape[1])
+        return Array.of(finalize(vectors, self.slots.pool_normalize[slots], dims), "float32")
 
 
-def _gpu_memory_start(config: EngineConfig) -> MemoryStart | None:
-    """On a GPU whose KV cache is sized by ``gpu_memory_utilization``: the device's memory
-    before this process loads anything (see ``gpu_memory``)."""
-    from mpengine.executor.model_loader import resolve_device
+def _check_encoder_budget(config: EngineConfig, loaded: LoadedModel) -> None:
+    if loaded.is_encoder and config.max_num_batched_tokens < loaded.max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({config.max_num_batched_tokens}) is below max_model_len "
+            f"({loaded.max_model_len}): an encoder computes each input whole in one "
+            "step; raise max_num_batched_tokens or lower max_model_len"
+        )
 
-    device = resolve_device(config.device)
-    if config.num_gpu_blocks_override is not None or device.type != "cuda":
-        return None
-    from mpengine.executor.gpu_memory import MemoryStart
 
-    return MemoryStart.take(device)
+def _empty_layer_cache(spec: KVCacheSpec, device: torch.device) -> torch.Tensor:
+    """A layer cache's shape and dtype, with no blocks: what the kernels must take."""
+    shape = (2, spec.num_kv_heads, 0, spec.block_size, spec.head_dim)
+    return torch.empty(shape, dtype=spec.dtype, device=device)
+
+
+def _empty_result(step: int) -> StepResult:
+    return StepResult(step=step, seq_ids=Array.of([], "int64"), token_ids=EMPTY_IDS)

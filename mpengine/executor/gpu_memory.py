@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from mpengine.config import EngineConfig, GiB
-from mpengine.executor.attention import METADATA_KWARG, Backend, build_metadata
+from mpengine.executor.attention import METADATA_KWARG, Backend, StepLayout
 from mpengine.executor.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_in
 from mpengine.executor.model_loader import LoadedModel
+from mpengine.executor.paged_attention import build_metadata
 from mpengine.executor.sampler import Sampler, SamplingRows
-from mpengine.executor.torch_attention import StepLayout
 
 logger = logging.getLogger(__name__)
 

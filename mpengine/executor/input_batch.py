@@ -23,9 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpengine.executor.attention import AttentionMetadata, Backend, build_metadata
+from mpengine.executor.attention import Backend, StepLayout
+from mpengine.executor.paged_attention import AttentionMetadata, build_metadata
 from mpengine.executor.slots import SlotState
-from mpengine.executor.torch_attention import StepLayout, Workspace
+from mpengine.executor.step_rows import StepRows
+from mpengine.executor.torch_attention import Workspace
 
 
 @dataclass(slots=True)
@@ -98,31 +100,24 @@ class InputBatch:
             self.last_token.index_copy_(0, sample_slots, token_ids)
 
     def prepare(
-        self,
-        slots: np.ndarray,
-        starts: np.ndarray,
-        num_tokens: np.ndarray,
-        token_ids: np.ndarray,
-        logits_rows: np.ndarray,
-        sample_slots: np.ndarray,
+        self, rows: StepRows, logits_rows: np.ndarray, sample_slots: np.ndarray
     ) -> StepInputs:
-        """The device inputs of a step: ``token_ids`` ``[T]`` may hold ``-1`` (the slot's last
-        sampled token); ``logits_rows`` starts with the rows of the sequences that sample,
-        whose slots are ``sample_slots``."""
+        """The device inputs of the step ``rows`` (whose ``-1`` tokens are the slots' last
+        sampled tokens): ``logits_rows`` starts with the batch rows of the sequences that
+        sample, whose slots are ``sample_slots``."""
         bs = self.block_size
-        total = len(token_ids)
-        first_token = np.cumsum(num_tokens) - num_tokens
-        positions = np.arange(total) + np.repeat(starts - first_token, num_tokens)
-        token_slots = np.repeat(slots, num_tokens)
+        token_ids, num_tokens = rows.token_ids, rows.num_tokens
+        positions = rows.positions()
+        token_slots = rows.token_slots()
         blocks = self.state.block_table[token_slots, positions // bs]
         if (blocks < 0).any():
             raise ValueError("a scheduled position has no block in its slot's block table")
-        contexts = starts + num_tokens
+        contexts = rows.starts + num_tokens
         width = -(-int(contexts.max()) // bs) if len(contexts) else 0
         layout = StepLayout(
-            starts=starts,
+            starts=rows.starts,
             num_tokens=num_tokens,
-            block_table=self.state.block_table[slots, :width],
+            block_table=self.state.block_table[rows.slots, :width],
             block_size=bs,
         )
 
@@ -135,14 +130,14 @@ class InputBatch:
             token_slots,
             np.concatenate([[0], np.cumsum(num_tokens)]),
             contexts,
-            slots,
+            rows.slots,
             logits_rows,
             sample_slots,
             blocks[positions % bs == 0],
         ]
         lengths = [len(p) for p in parts]
         device_buffer = self._staging["step"].upload(parts, self.device)
-        (ids, pos, slot_mapping, tok_slots, cu_seqlens_q, seq_lens, step_slots, rows, samp, new) = (
+        (ids, pos, slot_mapping, tok_slots, cu_seqlens_q, seq_lens, step_slots, kept, samp, new) = (
             device_buffer.split(lengths)
         )
         if (token_ids < 0).any():
@@ -161,7 +156,7 @@ class InputBatch:
             block_table,
             self.workspace,
         )
-        return StepInputs(ids, pos, rows, samp, new, metadata)
+        return StepInputs(ids, pos, kept, samp, new, metadata)
 
 
 class _Staging:

@@ -1,4 +1,4 @@
-"""The paged KV cache tensors and their sizing.
+"""The paged KV cache tensors (how many blocks they hold is decided in ``kv_sizing``).
 
 Layout, one tensor per layer (views into a single allocation)::
 
@@ -27,11 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpengine.config import EngineConfig, GiB, MiB, cgroups
+from mpengine.config import GiB, MiB, cgroups
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_BYTES = GiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,17 +46,6 @@ class KVCacheSpec:
     def bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
-
-
-def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
-    """How many blocks the cache gets: the override, else ``kv_cache_bytes`` over the block
-    size. A GPU's cache is sized from a profiled forward instead (``gpu_memory``)."""
-    if config.num_gpu_blocks_override is not None:
-        return config.num_gpu_blocks_override
-    if device.type == "cuda":
-        raise ValueError("a GPU's KV cache is sized by gpu_memory.profiled_num_blocks")
-    budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else DEFAULT_CPU_BYTES
-    return blocks_in(budget, spec)
 
 
 def blocks_in(budget: int, spec: KVCacheSpec) -> int:

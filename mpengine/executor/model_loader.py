@@ -33,8 +33,9 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from mpengine.config import EngineConfig
-from mpengine.executor.attention import ATTENTION_NAME, register_attention
-from mpengine.executor.model_audit import UnsupportedModel, audit_attention
+from mpengine.executor.attention import ATTENTION_NAME
+from mpengine.executor.model_audit import AttentionGeometry, UnsupportedModel, audit_attention
+from mpengine.executor.paged_attention import register_attention
 from mpengine.models.resolve import resolve_model
 from mpengine.protocol import INT32_MAX, Pooling, PoolingInfo, SamplingParams
 
@@ -107,47 +108,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, text_config, device)
-    hf_logging.disable_progress_bar()  # the stage logs its own one-line summary
-    if kind == "encoder":
-        # Upstream attention (SDPA) with a padding mask: bidirectional, no KV cache.
-        model = AutoModel.from_pretrained(path, attn_implementation="sdpa", dtype=dtype)
-    else:
-        register_attention()
-        auto_class = AutoModelForCausalLM if kind == "causal" else AutoModel
-        try:
-            model = auto_class.from_pretrained(
-                path, attn_implementation=ATTENTION_NAME, dtype=dtype
-            )
-        except KeyError as exc:
-            if exc.args != (ATTENTION_NAME,):
-                raise
-            raise NotImplementedError(
-                f"{hf_config.model_type} models cannot be served: their code does not take "
-                "an attention function through transformers' attention interface"
-            ) from None
+    model = _from_pretrained(path, kind, hf_config, dtype)
     model.to(device).eval()
-    geometry = None
-    if kind != "encoder":
-        try:
-            geometry = audit_attention(
-                model, text_config.num_hidden_layers, kind == "causal", device
-            )
-        except UnsupportedModel as exc:
-            raise NotImplementedError(
-                f"{type(model).__name__} cannot be served exactly: {exc}"
-            ) from None
-
+    geometry = _attention_geometry(model, kind, text_config, device)
     pooling = _pooling_info(config, kind, declared, text_config.hidden_size)
-    if geometry is not None:  # what the layers' attention calls showed
-        num_heads, num_kv_heads, head_dim = (
-            geometry.num_heads,
-            geometry.num_kv_heads,
-            geometry.head_dim,
-        )
-    else:
-        num_heads = text_config.num_attention_heads
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     output = model.get_output_embeddings() if kind == "causal" else None
     vocab_size = (output or model.get_input_embeddings()).weight.shape[0]
     logger.info(
@@ -168,15 +132,55 @@ def load_model(config: EngineConfig) -> LoadedModel:
         vocab_size=vocab_size,
         eos_token_ids=_eos_token_ids(path, text_config) if kind == "causal" else [],
         num_layers=text_config.num_hidden_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
+        num_heads=geometry.num_heads,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
         pooling=pooling,
         can_generate=kind == "causal",
         sampling_defaults=(
             sampling_defaults(path, config.generation_config) if kind == "causal" else {}
         ),
     )
+
+
+def _from_pretrained(
+    path: str, kind: str, hf_config: PretrainedConfig, dtype: torch.dtype
+) -> torch.nn.Module:
+    """The model of ``kind`` (see :func:`_model_kind`): an encoder with upstream attention,
+    a decoder with the paged attention function."""
+    hf_logging.disable_progress_bar()  # the stage logs its own one-line summary
+    if kind == "encoder":
+        # Upstream attention (SDPA) with a padding mask: bidirectional, no KV cache.
+        return AutoModel.from_pretrained(path, attn_implementation="sdpa", dtype=dtype)
+    register_attention()
+    auto_class = AutoModelForCausalLM if kind == "causal" else AutoModel
+    try:
+        return auto_class.from_pretrained(path, attn_implementation=ATTENTION_NAME, dtype=dtype)
+    except KeyError as exc:
+        if exc.args != (ATTENTION_NAME,):
+            raise
+        raise NotImplementedError(
+            f"{hf_config.model_type} models cannot be served: their code does not take "
+            "an attention function through transformers' attention interface"
+        ) from None
+
+
+def _attention_geometry(
+    model: torch.nn.Module, kind: str, text_config: PretrainedConfig, device: torch.device
+) -> AttentionGeometry:
+    """A decoder's, as its test forward shows it (``model_audit``, which refuses what the
+    paged attention cannot serve); an encoder's (upstream attention), from its config."""
+    if kind != "encoder":
+        try:
+            return audit_attention(model, text_config.num_hidden_layers, kind == "causal", device)
+        except UnsupportedModel as exc:
+            raise NotImplementedError(
+                f"{type(model).__name__} cannot be served exactly: {exc}"
+            ) from None
+    num_heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    return AttentionGeometry(num_heads, num_kv_heads, head_dim)
 
 
 def _model_kind(hf_config: PretrainedConfig) -> str:

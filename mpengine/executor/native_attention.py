@@ -167,30 +167,9 @@ def store_kv(
     """Write ``key``/``value`` ``[kv_heads, T, head_dim]`` (strided, unit last stride, the
     cache's dtype) into ``cache`` rows ``slot_mapping`` ``[T]`` (int64, contiguous); a
     negative slot is skipped."""
-    (_store_kv_op if torch.compiler.is_compiling() else _store_kv)(cache, slot_mapping, key, value)
-
-
-def decode(
-    out: torch.Tensor,
-    queries: torch.Tensor,
-    cache: torch.Tensor,
-    rows: torch.Tensor | None,
-    block_table: torch.Tensor,
-    contexts: torch.Tensor,
-    scale: float,
-) -> None:
-    """Decode attention into ``out`` ``[T, heads, head_dim]`` (contiguous): decode ``i``
-    reads ``queries`` ``[T, heads, head_dim]`` row ``rows[i]`` (``None``: row ``i``), attends
-    to the first ``contexts[i]`` keys of its blocks ``block_table[i]`` (int32, contiguous
-    rows) and writes the same row of ``out``. ``queries`` and ``out`` have the cache's
-    dtype."""
-    call = _decode_op if torch.compiler.is_compiling() else _decode
-    call(out, queries, cache, rows, block_table, contexts, scale)
-
-
-def _store_kv(
-    cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> None:
+    if torch.compiler.is_compiling():  # traced: the operator, whose kernel is this function
+        _store_kv_op(cache, slot_mapping, key, value)
+        return
     lib = kernels()
     assert lib is not None
     _same_dtype(cache, key, value)
@@ -215,7 +194,7 @@ def _store_kv(
     )
 
 
-def _decode(
+def decode(
     out: torch.Tensor,
     queries: torch.Tensor,
     cache: torch.Tensor,
@@ -224,6 +203,14 @@ def _decode(
     contexts: torch.Tensor,
     scale: float,
 ) -> None:
+    """Decode attention into ``out`` ``[T, heads, head_dim]`` (contiguous): decode ``i``
+    reads ``queries`` ``[T, heads, head_dim]`` row ``rows[i]`` (``None``: row ``i``), attends
+    to the first ``contexts[i]`` keys of its blocks ``block_table[i]`` (int32, contiguous
+    rows) and writes the same row of ``out``. ``queries`` and ``out`` have the cache's
+    dtype."""
+    if torch.compiler.is_compiling():  # traced: the operator, whose kernel is this function
+        _decode_op(out, queries, cache, rows, block_table, contexts, scale)
+        return
     lib = kernels()
     assert lib is not None
     _same_dtype(cache, queries, out)
@@ -258,7 +245,8 @@ def _decode(
 # cannot trace a ctypes call, and would split the graph at each one. Registered as plain
 # CPU kernels of the dispatcher (not ``torch.library.custom_op``, whose Python wrappers
 # cost ~17 us more per call: a step calls them twice per layer). Eager calls skip the
-# operator dispatch altogether.
+# operator dispatch altogether; a traced call becomes the operator, which runs the same
+# function (not tracing then) when the compiled forward runs.
 _LIBRARY = torch.library.Library("mpengine", "DEF")
 
 
@@ -272,12 +260,12 @@ def _operator(schema: str, kernel: Callable[..., None]) -> torch._ops.OpOverload
 
 _store_kv_op = _operator(
     "native_store_kv(Tensor(a!) cache, Tensor slot_mapping, Tensor key, Tensor value) -> ()",
-    _store_kv,
+    store_kv,
 )
 _decode_op = _operator(
     "native_decode(Tensor(a!) out, Tensor queries, Tensor cache, Tensor? rows, "
     "Tensor block_table, Tensor contexts, float scale) -> ()",
-    _decode,
+    decode,
 )
 
 

@@ -39,7 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mpengine.executor import native_attention
+import mpengine.executor.native_attention as native_attention
+from mpengine.executor.attention import StepLayout
 from mpengine.executor.native_attention import Kernels
 
 # Padded decode attention reads N * longest keys; the chunked one reads each sequence's
@@ -49,16 +50,6 @@ CHUNKED_PADDING_RATIO = 2.0
 # Blocks per chunk of the chunked decode: larger chunks mean fewer, larger matrix products
 # (8 blocks of 16 measured best), at the cost of padding each sequence's last chunk.
 MAX_CHUNK_BLOCKS = 8
-
-
-@dataclass(slots=True)
-class StepLayout:
-    """A step's sequences on the host: what every backend plans from."""
-
-    starts: np.ndarray  # [N] int64, position of each sequence's first new token
-    num_tokens: np.ndarray  # [N] int64, new tokens per sequence
-    block_table: np.ndarray  # [N, W] int32, the sequences' block table rows (-1: none)
-    block_size: int
 
 
 @dataclass(slots=True)

@@ -318,9 +318,9 @@ def output_loop(
 
 
 def run_executor(config: EngineConfig, wiring: Wiring, control: Control, stop: StopFlag) -> None:
-    from mpengine.executor import Executor
+    from mpengine.executor import create_executor
 
-    executor = Executor(config)
+    executor = create_executor(config)
     plans = Link.ring(wiring.plan_ring, plan_decoder())
     results = Link.ring(wiring.result_ring)
     done = Lockstep.attach(wiring.lockstep)  # read, never waited on

@@ -26,11 +26,11 @@ logger = logging.getLogger(__name__)
 
 
 def run_serial(config: EngineConfig, wiring: Wiring, control: Control, stop: StopFlag) -> None:
-    from mpengine.executor import Executor
+    from mpengine.executor import create_executor
     from mpengine.output import OutputProcessor
     from mpengine.scheduler import Scheduler
 
-    executor = Executor(config)
+    executor = create_executor(config)
     model = executor.info
     scheduler = Scheduler.for_model(config, model)
     processor = OutputProcessor(model.tokenizer_path, model.eos_token_ids)

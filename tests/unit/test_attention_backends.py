@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 import torch
 
-from mpengine.executor import native_attention, torch_attention
-from mpengine.executor.attention import (
-    METADATA_KWARG,
+import mpengine.executor.native_attention as native_attention
+import mpengine.executor.torch_attention as torch_attention
+from mpengine.executor.attention import METADATA_KWARG, StepLayout
+from mpengine.executor.paged_attention import (
     AttentionMetadata,
     build_metadata,
     paged_attention_forward,
 )
-from mpengine.executor.torch_attention import StepLayout
 
 TOLERANCE = 1e-5
 

@@ -13,9 +13,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from mpengine.config import EngineConfig
-from mpengine.executor.attention import ATTENTION_NAME, register_attention
+from mpengine.executor.attention import ATTENTION_NAME
 from mpengine.executor.model_audit import UnsupportedModel, audit_attention
 from mpengine.executor.model_loader import load_model
+from mpengine.executor.paged_attention import register_attention
 from tests.e2e.test_executor import build_model
 
 BASE = dict(
@@ -116,7 +117,7 @@ def test_models_served_wrong_are_refused(model_type, overrides, message) -> None
 def test_the_audit_leaves_the_paged_attention_in_place() -> None:
     from transformers import AttentionInterface
 
-    from mpengine.executor.attention import paged_attention_forward
+    from mpengine.executor.paged_attention import paged_attention_forward
 
     with pytest.raises(UnsupportedModel):
         audit(build("bloom", n_head=4))
