@@ -13,13 +13,13 @@ import msgspec
 from mpengine.client.calls import Calls
 from mpengine.client.requests import Batch
 from mpengine.client.tokens import off_the_loop
-from mpengine.client.waits import AsyncInbox, Wait, awaiting, awaiting_call
+from mpengine.client.waits import AsyncInbox, Awaiting, Wait, awaiting, awaiting_call
 from mpengine.protocol import TokenizerQuery
 
 T = TypeVar("T")
 
 
-class AsyncClient(Calls, waits=awaiting):
+class AsyncClient(Calls, Awaiting, waits=awaiting):
     """asyncio client over the same connection machinery (the I/O thread hands deltas to
     the event loop each request was made from; one client may serve several loops, one
     after the other or at once). Arguments as for ``Client``."""

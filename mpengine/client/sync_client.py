@@ -7,10 +7,10 @@ from typing import Any
 
 from mpengine.client.calls import Calls
 from mpengine.client.requests import Batch
-from mpengine.client.waits import Inbox, Wait, blocking
+from mpengine.client.waits import Blocking, Inbox, Wait, blocking
 
 
-class Client(Calls, waits=blocking):
+class Client(Calls, Blocking, waits=blocking):
     """Blocking client. Thread-safe: many threads may generate at once.
 
     ``address``: the engine's request address (``engine.address``; ``ipc://...`` or

@@ -35,12 +35,18 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar,
 from mpengine.client.connection import Sink
 from mpengine.client.sockets import Deadline
 
-if TYPE_CHECKING:
-    from mpengine.client.async_client import AsyncClient
-    from mpengine.client.sync_client import Client
-
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+class Blocking:
+    """Marks the facade whose calls block (``Client``): what type checkers see of its
+    methods."""
+
+
+class Awaiting:
+    """Marks the facade whose calls are awaited (``AsyncClient``)."""
+
 
 Wait = Callable[[], Any]  # called (Client), or called and its result awaited (AsyncClient)
 
@@ -172,11 +178,9 @@ class call(Generic[P, T]):
         @overload
         def __get__(self, client: None, owner: type) -> call[P, T]: ...
         @overload
-        def __get__(self, client: Client, owner: type) -> Callable[P, T]: ...
+        def __get__(self, client: Blocking, owner: type) -> Callable[P, T]: ...
         @overload
-        def __get__(
-            self, client: AsyncClient, owner: type
-        ) -> Callable[P, Coroutine[Any, Any, T]]: ...
+        def __get__(self, client: Awaiting, owner: type) -> Callable[P, Coroutine[Any, Any, T]]: ...
         def __get__(self, client: Any, owner: type) -> Any: ...
 
 
@@ -201,9 +205,9 @@ class streams(Generic[P, T]):
         @overload
         def __get__(self, client: None, owner: type) -> streams[P, T]: ...
         @overload
-        def __get__(self, client: Client, owner: type) -> Callable[P, Iterator[T]]: ...
+        def __get__(self, client: Blocking, owner: type) -> Callable[P, Iterator[T]]: ...
         @overload
-        def __get__(self, client: AsyncClient, owner: type) -> Callable[P, AsyncIterator[T]]: ...
+        def __get__(self, client: Awaiting, owner: type) -> Callable[P, AsyncIterator[T]]: ...
         def __get__(self, client: Any, owner: type) -> Any: ...
 
 
