@@ -13,6 +13,7 @@ otherwise runs the same code.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,13 +78,7 @@ class FaultyExecutor(Executor):
         if self._step in self.fault_steps:
             raise InjectedFault(f"injected failure of step {self._step} (MPENGINE_FAULT_STEPS)")
 
-    def _sample_rows(
-        self,
-        logits: torch.Tensor,
-        slots: np.ndarray,
-        contexts: np.ndarray,
-        device_slots: torch.Tensor | None = None,
-    ) -> PendingSample:
+    def _sample_rows(self, logits: torch.Tensor, slots: np.ndarray, *rest: Any) -> PendingSample:
         if not self.fault_seqs.isdisjoint(self.slots.seq_id[slots].tolist()):
             raise InjectedFault("injected sampling failure (MPENGINE_FAULT_SEQS)")
-        return super()._sample_rows(logits, slots, contexts, device_slots)
+        return super()._sample_rows(logits, slots, *rest)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -65,31 +66,28 @@ def advertised(address: str, host: str | None) -> str:
     return f"tcp://{host}:{port}"
 
 
+# What EngineInfo takes as it is from the model's info and from the config.
+_INFO_FROM_MODEL = (
+    "vocab_size", "max_model_len", "block_size", "num_blocks", "eos_token_ids", "pooling",
+    "can_generate", "sampling_defaults",
+)  # fmt: skip
+_INFO_FROM_CONFIG = (
+    "engine_id", "max_num_seqs", "max_num_batched_tokens", "runtime", "async_depth",
+    "max_request_bytes", "max_waiting_requests", "max_waiting_tokens",
+)  # fmt: skip
+
+
 def engine_info(config: EngineConfig, model: ModelInfo, wiring: Wiring) -> EngineInfo:
     from mpengine import __version__
 
     return EngineInfo(
-        engine_id=config.engine_id,
         model=model.model_path,
         tokenizer=model.tokenizer_path,
-        vocab_size=model.vocab_size,
-        max_model_len=model.max_model_len,
-        block_size=model.block_size,
-        num_blocks=model.num_blocks,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        eos_token_ids=model.eos_token_ids,
-        runtime=config.runtime,
-        async_depth=config.async_depth,
         request_address=advertised(wiring.request_address, config.advertise_host),
         output_address=advertised(wiring.output_address, config.advertise_host),
-        max_request_bytes=config.max_request_bytes,
-        max_waiting_requests=config.max_waiting_requests,
-        max_waiting_tokens=config.max_waiting_tokens,
         version=__version__,
-        pooling=model.pooling,
-        can_generate=model.can_generate,
-        sampling_defaults=model.sampling_defaults,
+        **{name: getattr(model, name) for name in _INFO_FROM_MODEL},
+        **{name: getattr(config, name) for name in _INFO_FROM_CONFIG},
     )
 
 
@@ -158,21 +156,40 @@ class Counter(Protocol):
     def advance_to(self, k: int) -> None: ...
 
 
+@dataclass(slots=True)
+class Links:
+    """What a stage loop sees of its peers: the four links (each loop uses those of its
+    stage; a process attaches only those, the others stay :data:`NO_LINK`) and the lockstep
+    counter."""
+
+    done: Counter
+    plans: Link = field(default_factory=lambda: NO_LINK)
+    results: Link = field(default_factory=lambda: NO_LINK)
+    announces: Link = field(default_factory=lambda: NO_LINK)
+    feedbacks: Link = field(default_factory=lambda: NO_LINK)
+
+    def close(self) -> None:
+        for link in (self.plans, self.results, self.announces, self.feedbacks):
+            link.close()
+        close = getattr(self.done, "close", None)  # (shm.Lockstep; a thread's has none)
+        if close is not None:
+            close()
+
+
+def _no_link(*args: object) -> Any:
+    raise RuntimeError("this stage has no such link")
+
+
+NO_LINK = Link(_no_link, _no_link, _no_link, _no_link, _no_link, lambda: None)
+
+
 # -- the three loops -----------------------------------------------------------------------
 
 
 def scheduler_loop(
-    scheduler: Scheduler,
-    front: FrontDoor,
-    *,
-    plans: Link,
-    announces: Link,
-    feedbacks: Link,
-    done: Counter,
-    lag: int,
-    clock: Clock,
-    stop: StopFlag,
+    scheduler: Scheduler, front: FrontDoor, links: Links, lag: int, clock: Clock, stop: StopFlag
 ) -> None:
+    plans, announces, feedbacks, done = links.plans, links.announces, links.feedbacks, links.done
     while not stop:
         # 1. requests and aborts (wait for them only when there is nothing else to do)
         in_flight = scheduler.done < scheduler.next_step - 1
@@ -224,15 +241,8 @@ def scheduler_loop(
             clock.idle()
 
 
-def executor_loop(
-    executor: Executor,
-    *,
-    plans: Link,
-    results: Link,
-    done: Counter,
-    clock: Clock,
-    stop: StopFlag,
-) -> None:
+def executor_loop(executor: Executor, links: Links, clock: Clock, stop: StopFlag) -> None:
+    plans, results, done = links.plans, links.results, links.done
     last_step = 0
     while not stop:
         # 1. the next plan (the counter is only read, for the breakdown: until every step
@@ -263,16 +273,15 @@ def executor_loop(
 
 
 def output_loop(
-    processor: OutputProcessor,
-    door: OutputDoor,
-    *,
-    results: Link,
-    announces: Link,
-    feedbacks: Link,
-    done: Counter,
-    clock: Clock,
-    stop: StopFlag,
+    processor: OutputProcessor, door: OutputDoor, links: Links, clock: Clock, stop: StopFlag
 ) -> None:
+    results, announces, feedbacks, done = (
+        links.results,
+        links.announces,
+        links.feedbacks,
+        links.done,
+    )
+
     def drain_announcements() -> list[tuple[str, OutputDelta]]:
         deltas = []
         while (frame := announces.try_get()) is not None:
@@ -321,20 +330,14 @@ def run_executor(config: EngineConfig, wiring: Wiring, control: Control, stop: S
     from mpengine.executor import create_executor
 
     executor = create_executor(config)
-    plans = Link.ring(wiring.plan_ring, plan_decoder())
-    results = Link.ring(wiring.result_ring)
-    done = Lockstep.attach(wiring.lockstep)  # read, never waited on
-    trace = Trace.open(config.trace, EXECUTOR)
-    control.ready(executor.info)
-    try:
-        clock = Clock([EXECUTOR], trace)
-        executor_loop(executor, plans=plans, results=results, done=done, clock=clock, stop=stop)
-    finally:
-        plans.close()
-        results.close()
-        done.close()
-        if trace is not None:
-            trace.write()
+    links = Links(
+        Lockstep.attach(wiring.lockstep),  # read, never waited on
+        plans=Link.ring(wiring.plan_ring, plan_decoder()),
+        results=Link.ring(wiring.result_ring),
+    )
+    with _stage(config, EXECUTOR, links) as clock:
+        control.ready(executor.info)
+        executor_loop(executor, links, clock, stop)
 
 
 def run_scheduler(config: EngineConfig, wiring: Wiring, control: Control, stop: StopFlag) -> None:
@@ -344,34 +347,17 @@ def run_scheduler(config: EngineConfig, wiring: Wiring, control: Control, stop: 
     if model is None:
         return
     scheduler = Scheduler.for_model(config, model)
-    plans = Link.ring(wiring.plan_ring)
-    announces = Link.ring(wiring.announce_ring)
-    feedbacks = Link.ring(wiring.feedback_ring, feedback_decoder())
-    done = Lockstep.attach(wiring.lockstep)
-    trace = Trace.open(config.trace, SCHEDULER)
-    clock = Clock([SCHEDULER], trace)
+    links = Links(
+        Lockstep.attach(wiring.lockstep),
+        plans=Link.ring(wiring.plan_ring),
+        announces=Link.ring(wiring.announce_ring),
+        feedbacks=Link.ring(wiring.feedback_ring, feedback_decoder()),
+    )
     edge = request_edge(config, wiring)
-    front = FrontDoor(edge, scheduler, engine_info(config, model, wiring), clock.report)
-    control.ready()
-    try:
-        scheduler_loop(
-            scheduler,
-            front,
-            plans=plans,
-            announces=announces,
-            feedbacks=feedbacks,
-            done=done,
-            lag=config.async_depth,
-            clock=clock,
-            stop=stop,
-        )
-    finally:
-        edge.close()
-        for link in (plans, announces, feedbacks):
-            link.close()
-        done.close()
-        if trace is not None:
-            trace.write()
+    with _stage(config, SCHEDULER, links, edge) as clock:
+        front = FrontDoor(edge, scheduler, engine_info(config, model, wiring), clock.report)
+        control.ready()
+        scheduler_loop(scheduler, front, links, config.async_depth, clock, stop)
 
 
 def run_output(config: EngineConfig, wiring: Wiring, control: Control, stop: StopFlag) -> None:
@@ -381,29 +367,31 @@ def run_output(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
     if model is None:
         return
     processor = OutputProcessor(model.tokenizer_path, model.eos_token_ids)
-    results = Link.ring(wiring.result_ring, result_decoder())
-    announces = Link.ring(wiring.announce_ring, announcement_decoder())
-    feedbacks = Link.ring(wiring.feedback_ring)
-    done = Lockstep.attach(wiring.lockstep)
+    links = Links(
+        Lockstep.attach(wiring.lockstep),
+        results=Link.ring(wiring.result_ring, result_decoder()),
+        announces=Link.ring(wiring.announce_ring, announcement_decoder()),
+        feedbacks=Link.ring(wiring.feedback_ring),
+    )
     edge = output_edge(config, wiring)
-    door = OutputDoor(edge, processor, config)
-    trace = Trace.open(config.trace, OUTPUT)
-    control.ready()
+    with _stage(config, OUTPUT, links, edge) as clock:
+        door = OutputDoor(edge, processor, config)
+        control.ready()
+        output_loop(processor, door, links, clock, stop)
+
+
+@contextlib.contextmanager
+def _stage(
+    config: EngineConfig, stage: str, links: Links, edge: Edge | None = None
+) -> Iterator[Clock]:
+    """A stage process's clock (with ``--trace``, its trace written at the end); its links
+    and client edge closed on the way out, however the loop ends."""
+    trace = Trace.open(config.trace, stage)
     try:
-        output_loop(
-            processor,
-            door,
-            results=results,
-            announces=announces,
-            feedbacks=feedbacks,
-            done=done,
-            clock=Clock([OUTPUT], trace),
-            stop=stop,
-        )
+        yield Clock([stage], trace)
     finally:
-        edge.close()
-        for link in (results, announces, feedbacks):
-            link.close()
-        done.close()
+        if edge is not None:
+            edge.close()
+        links.close()
         if trace is not None:
             trace.write()

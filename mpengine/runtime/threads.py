@@ -28,6 +28,7 @@ from mpengine.runtime.front import FrontDoor, OutputDoor
 from mpengine.runtime.processes import (
     POLL_S,
     Link,
+    Links,
     engine_info,
     executor_loop,
     output_edge,
@@ -108,8 +109,7 @@ def run_threads(config: EngineConfig, wiring: Wiring, control: Control, stop: St
     model = executor.info
     scheduler = Scheduler.for_model(config, model)
     processor = OutputProcessor(model.tokenizer_path, model.eos_token_ids)
-    plans, results, feedbacks, announces = (queue_link() for _ in range(4))
-    done = Counter()
+    links = Links(Counter(), *(queue_link() for _ in range(4)))
     trace = Trace.open(config.trace, "engine")  # one ring, appended to by every thread
     clocks = {stage: Clock([stage], trace) for stage in (SCHEDULER, EXECUTOR, OUTPUT)}
     # Each edge is created here and then used by its loop's thread alone (ZMQ sockets may
@@ -121,29 +121,10 @@ def run_threads(config: EngineConfig, wiring: Wiring, control: Control, stop: St
     door = OutputDoor(outputs, processor, config)
     loops: dict[str, Callable[[], None]] = {
         SCHEDULER: lambda: scheduler_loop(
-            scheduler,
-            front,
-            plans=plans,
-            announces=announces,
-            feedbacks=feedbacks,
-            done=done,
-            lag=config.async_depth,
-            clock=clocks[SCHEDULER],
-            stop=stop,
+            scheduler, front, links, config.async_depth, clocks[SCHEDULER], stop
         ),
-        EXECUTOR: lambda: executor_loop(
-            executor, plans=plans, results=results, done=done, clock=clocks[EXECUTOR], stop=stop
-        ),
-        OUTPUT: lambda: output_loop(
-            processor,
-            door,
-            results=results,
-            announces=announces,
-            feedbacks=feedbacks,
-            done=done,
-            clock=clocks[OUTPUT],
-            stop=stop,
-        ),
+        EXECUTOR: lambda: executor_loop(executor, links, clocks[EXECUTOR], stop),
+        OUTPUT: lambda: output_loop(processor, door, links, clocks[OUTPUT], stop),
     }
     failures: list[BaseException] = []
 
