@@ -101,10 +101,16 @@ def test_generate_reports_failed_samples_and_exits_1():
     assert "sample 0 failed" in done.stderr
 
 
-def test_generate_stream_prints_what_generate_prints(capsys):
-    argv = ["generate", "--model", "tiny", "--runtime", "serial", "--prompt", "Once upon"]
+@pytest.fixture(scope="module")
+def running_engine():
+    """A running engine that ``generate --address`` reaches (no engine launched per call)."""
+    with mpengine.launch(model="tiny", runtime="serial", log_level="WARNING") as engine:
+        yield engine
+
+
+def test_generate_stream_prints_what_generate_prints(running_engine, capsys):
+    argv = ["generate", "--address", running_engine.address, "--prompt", "Once upon"]
     argv += ["--max-tokens", "6", "--ignore-eos", "--temperature", "0", "--logprobs", "2"]
-    argv += ["--log-level", "WARNING"]
     assert main(argv) == 0
     whole = capsys.readouterr().out
     assert main([*argv, "--stream"]) == 0
@@ -136,9 +142,11 @@ def test_generate_takes_the_models_defaults_for_flags_not_given(tmp_path, capsys
     assert num_tokens("--generation-config", "none") == 64  # the CLI's own default
 
 
-def test_refused_requests_and_unreachable_engines_fail_in_one_line(tmp_path, capsys):
-    argv = ["generate", "--model", "tiny", "--prompt", "", "--runtime", "serial"]
-    assert main([*argv, "--log-level", "WARNING"]) == 1
+def test_refused_requests_and_unreachable_engines_fail_in_one_line(
+    running_engine, tmp_path, capsys
+):
+    argv = ["generate", "--address", running_engine.address, "--prompt", ""]
+    assert main(argv) == 1
     err = capsys.readouterr().err
     assert "mpengine: the engine refused the request: the prompt is empty" in err
     assert "Traceback" not in err
