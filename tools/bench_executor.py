@@ -84,6 +84,8 @@ class Bench:
             max_num_batched_tokens=args.prefill_tokens,
             num_threads=args.threads,
             enforce_eager=eager == "eager",
+            dtype=args.dtype,
+            compile_decode=args.compile_decode,
         ).resolve()
         kwargs = {} if name == "default" else {"attention_backend": name}
         self.executor = Executor(config, **kwargs)
@@ -235,6 +237,10 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--dtype", default="auto", help="the model's dtype (engine flag)")
+    parser.add_argument(
+        "--compile-decode", action="store_true", help="pure-decode steps through torch.compile"
+    )
     parser.add_argument("--json", default="bench_executor.json")
     args = parser.parse_args()
     if args.steps < 1:
