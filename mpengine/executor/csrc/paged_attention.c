@@ -151,6 +151,15 @@ static inline __attribute__((always_inline)) void scores16(const float *q, const
                                           25, 27, 29, 31);
     *(v16u *)out = r;
 }
+
+/* 16 rows of bfloat16 (`stride` elements apart) widened into dst[16][dim] (float32), so that
+ * a group's query heads read each key and value converted once, not once per head. */
+static inline __attribute__((always_inline)) void widen16(const void *src, int64_t stride,
+                                                          int64_t dim, float *dst) {
+    for (int r = 0; r < 16; r++)
+        for (int64_t d = 0; d < dim; d += 16)
+            *(v16u *)(dst + r * dim + d) = load16(at(src, r * stride + d, 1), 1);
+}
 #endif
 
 /* Limits of the decode kernel's per-item scratch (checked by the caller). */
@@ -204,7 +213,7 @@ static inline __attribute__((always_inline)) void decode_item(
     void *out, int64_t o_tok, int64_t o_head, const int bf16) {
     /* Scratch sized by the model, not by the limits: OpenMP threads' stacks may be small
      * (OMP_STACKSIZE). */
-    float qs[group][dim], acc[group][dim], p[group][bs], m[group], l[group];
+    float qs[group][dim], acc[group][dim], p[group][bs], m[group], l[group], wide[16][dim];
     for (int64_t h = 0; h < group; h++) {
         const void *q = at(query, row * q_tok + (g * group + h) * q_head, bf16);
         for (int64_t d = 0; d < dim; d++) {
@@ -233,11 +242,20 @@ static inline __attribute__((always_inline)) void decode_item(
         int64_t j = 0;
 #if HAVE_V16
         /* 16 keys at a time; past the context, still inside the block's memory (its scores
-         * are not used, and each lane sums its own key only). */
+         * are not used, and each lane sums its own key only). bfloat16 keys are widened
+         * once for all the group's heads. */
         if (dim % 16 == 0 && bs % 16 == 0)
-            for (; j < n; j += 16)
-                for (int64_t h = 0; h < group; h++)
-                    scores16(qs[h], at(k, j * c_pos, bf16), c_pos, dim, &p[h][j], bf16);
+            for (; j < n; j += 16) {
+                const void *kj = at(k, j * c_pos, bf16);
+                if (bf16) {
+                    widen16(kj, c_pos, dim, &wide[0][0]);
+                    for (int64_t h = 0; h < group; h++)
+                        scores16(qs[h], &wide[0][0], dim, dim, &p[h][j], 0);
+                } else {
+                    for (int64_t h = 0; h < group; h++)
+                        scores16(qs[h], kj, c_pos, dim, &p[h][j], 0);
+                }
+            }
 #endif
         for (; j < n; j++) {
             const void *kj = at(k, j * c_pos, bf16);
@@ -264,7 +282,21 @@ static inline __attribute__((always_inline)) void decode_item(
 #pragma omp simd
             for (int64_t d = 0; d < dim; d++) acc[h][d] *= rescale;
         }
-        for (int64_t j = 0; j < n; j++) {
+        j = 0;
+#if HAVE_V16
+        if (bf16 && dim % 16 == 0 && bs % 16 == 0) /* values widened once, as keys */
+            for (; j + 16 <= n; j += 16) {
+                widen16(at(v, j * c_pos, bf16), c_pos, dim, &wide[0][0]);
+                for (int64_t r = 0; r < 16; r++)
+                    for (int64_t h = 0; h < group; h++) {
+                        const float w = p[h][j + r];
+                        float *a = acc[h];
+#pragma omp simd
+                        for (int64_t d = 0; d < dim; d++) a[d] += w * wide[r][d];
+                    }
+            }
+#endif
+        for (; j < n; j++) {
             const void *vj = at(v, j * c_pos, bf16);
             for (int64_t h = 0; h < group; h++) {
                 const float w = p[h][j];
