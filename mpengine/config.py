@@ -236,8 +236,8 @@ HELP = {
     "(its blocks are dropped; it resumes by recomputing prompt and outputs) or swap (its "
     "blocks are copied to host memory and back when it resumes; recompute when the swap "
     "space is full, and for sequences with penalties or pooling)",
-    "swap_space": "host memory for swapped-out KV blocks, in bytes or with a unit (4GiB; "
-    "pinned on a GPU)",
+    "swap_space": "host memory for swapped-out KV blocks (pinned on a GPU): on the command "
+    "line GiB as vLLM takes it (4) or a size with a unit (512MiB); in bytes in the Python API",
     "scheduling_policy": "fcfs (arrival order) or priority (each request's priority, lower "
     "first, then arrival: it orders admission, resumption and which sequence is preempted)",
     "pooling": "how embeddings pool hidden states: auto (what the model directory's "

@@ -41,6 +41,10 @@ def _arg_type(annotation: object) -> tuple[type, list | None]:
 
 # Sizes in bytes, which the flags also take with a unit (binary: 4GiB, 4G, 512MiB, 1.5GiB).
 BYTE_FIELDS = ("kv_cache_bytes", "swap_space", "ring_bytes", "max_request_bytes")
+# Token counts, which take vLLM's human-readable form too (4k = 4000, 4K = 4096).
+COUNT_FIELDS = ("max_model_len", "max_num_batched_tokens", "max_waiting_tokens")
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20}
+_COUNT_UNITS["G"] = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 # vLLM's names of the same flags, so its users' command lines work.
 VLLM_ALIASES = {"prefix_caching": "--enable-prefix-caching"}
@@ -48,6 +52,14 @@ VLLM_ALIASES = {"prefix_caching": "--enable-prefix-caching"}
 
 def _dtype(text: str) -> str:
     return {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(text, text)
+
+
+def _swap_space(text: str) -> int:
+    """``--swap-space``: GiB when a bare number, as vLLM takes it (``4``), else a size."""
+    try:
+        return int(Decimal(text.strip()) * (1 << 30))
+    except ArithmeticError:  # (decimal.InvalidOperation: not a bare number)
+        return parse_bytes(text)
 
 
 def parse_bytes(text: str) -> int:
@@ -63,6 +75,19 @@ def parse_bytes(text: str) -> int:
         )
     number, unit = match.groups()
     return int(Decimal(number) * _UNITS[(unit or "").lower()])
+
+
+def parse_count(text: str) -> int:
+    """A token count as vLLM takes it: ``4096``, ``4k`` (4,000), ``4K`` (4,096), ``25.6k``,
+    ``1M`` (2^20)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgKMG]?)\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count: a number, or 4k, 4K, 1M")
+    number, unit = match.groups()
+    value = Decimal(number) * _COUNT_UNITS[unit]
+    if value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(value)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -83,8 +108,12 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
             action = argparse.BooleanOptionalAction
             group.add_argument(*flags, dest=name, action=action, default=NONE, help=help_text)
             continue
-        if name in BYTE_FIELDS:
+        if name == "swap_space":
+            kind = _swap_space  # type: ignore[assignment]
+        elif name in BYTE_FIELDS:
             kind = parse_bytes  # type: ignore[assignment]
+        elif name in COUNT_FIELDS:
+            kind = parse_count  # type: ignore[assignment]
         elif name == "log_level":  # (--log-level debug, as vLLM's takes it)
             kind = str.upper  # type: ignore[assignment]
         elif name == "dtype":  # vLLM's spellings too
@@ -366,7 +395,11 @@ def add_address_args(parser: argparse.ArgumentParser, what: str) -> None:
 
 def add_running_engine_args(parser: argparse.ArgumentParser) -> None:
     """A running engine's address, and how to reach it (``stats``, ``top``)."""
-    parser.add_argument("address", help="the engine's request address (ipc://... or tcp://...)")
+    parser.add_argument(
+        "address",
+        help="the engine's request address (ipc://... or tcp://...), or the URL of `mpengine "
+        "serve` on this host",
+    )
     parser.add_argument(
         "--timeout",
         type=positive_float,
@@ -381,6 +414,7 @@ def running_engine(args: argparse.Namespace):
     """A ``Client`` of the engine at ``args.address`` (see :func:`add_running_engine_args`)."""
     from mpengine.client.sync_client import Client
 
+    args.address = engine_address(args.address)
     check_address(args.address)
     token = auth_token_from_args(args)
     return Client(args.address, timeout=args.timeout, auth_token=token)
@@ -395,6 +429,19 @@ def positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
     return value
+
+
+def engine_address(address: str) -> str:
+    """``address``, or for ``mpengine serve``'s URL on this host the ipc address of its
+    engine (``stats``, ``top`` and ``stacks`` talk to the engine, not to the HTTP API)."""
+    from mpengine.runtime.engine_file import address_of_url
+
+    if not address.startswith(("http://", "https://")):
+        return address
+    try:
+        return address_of_url(address)
+    except LookupError as exc:
+        raise SystemExit(f"mpengine: {exc}") from None
 
 
 def check_address(address: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from mpengine.cli import vllm_flags
 from mpengine.cli.args import (
     add_engine_args,
     add_model_arg,
@@ -26,6 +27,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_model_arg(serve, "vLLM's `vllm serve MODEL`")
     add_engine_args(serve)
     add_serve_args(serve)
+    vllm_flags.add_args(serve)
     serve.set_defaults(func=cmd_serve)
     stats = sub.add_parser(
         "stats",
@@ -41,6 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mpengine.server.run import serve
 
     take_model_tag(args)
+    vllm_flags.check(args)
     return serve(args, config_from_args(args))
 
 

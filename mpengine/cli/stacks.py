@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from mpengine.cli.args import positive_float
+from mpengine.cli.args import engine_address, positive_float
 from mpengine.runtime.engine_file import EngineProcesses, find_engine, process_state
 from mpengine.runtime.stage import STACKS_SIGNAL
 
@@ -26,7 +26,9 @@ DUMP_QUIET_S = 0.1  # a dump is complete once its file stops growing for this lo
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("stacks", help="print every thread's stack of each engine process")
-    parser.add_argument("address", nargs="?", help="the engine's ipc:// address")
+    parser.add_argument(
+        "address", nargs="?", help="the engine's ipc:// address, or `mpengine serve`'s URL"
+    )
     parser.add_argument("--pid", type=int, help="the pid of the engine's launcher or a stage")
     parser.add_argument(
         "--faulthandler",
@@ -46,8 +48,9 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     """``mpengine stacks``: every thread's stack, for each process of the engine."""
     if (args.address is None) == (args.pid is None):
         raise SystemExit("mpengine stacks: give an ipc:// ADDRESS or --pid PID")
+    address = None if args.address is None else engine_address(args.address)
     try:
-        engine = find_engine(args.address, args.pid)
+        engine = find_engine(address, args.pid)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"mpengine stacks: {exc}") from None
     dumps = dump_stacks(engine, False if args.faulthandler else None, args.timeout)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +42,32 @@ class EngineProcesses:
     stages: dict[str, int]  # stage name -> pid
     http: str | None = None  # the HTTP front end's base URL, when it has one
     extra: dict = field(default_factory=dict)
+
+
+def address_of_url(url: str) -> str:
+    """The ipc address of the engine that ``mpengine serve`` on this host serves at ``url``
+    (``http[s]://HOST:PORT``): the engine file of a runtime directory in the temp dir names
+    it (a port is one server's on a host). LookupError when no live engine there does."""
+    port = urllib.parse.urlsplit(url).port
+    for path in sorted(Path(tempfile.gettempdir()).glob(f"mpengine-*/{ENGINE_FILE}")):
+        record = read_engine_file(str(path.parent)) or {}
+        http = record.get("http")
+        if http and urllib.parse.urlsplit(http).port == port and _alive(record.get("pid")):
+            return f"ipc://{path.parent}"
+    raise LookupError(
+        f"no engine of this host serves {url} from the temp dir; give its ipc:// address "
+        "(`mpengine serve` prints it at start)"
+    )
+
+
+def _alive(pid: object) -> bool:
+    try:
+        os.kill(int(pid), 0)  # type: ignore[call-overload]
+    except (TypeError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's: alive, but not ours to read
+        return False
+    return True
 
 
 def ipc_dir(address: str) -> str:
