@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 import msgspec
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -33,6 +35,7 @@ from mpengine.server.chat import chat_prompt, create_chat_completion, tokenize_c
 from mpengine.server.completions import create_completion
 from mpengine.server.embeddings import create_embedding
 from mpengine.server.errors import APIError, install_handlers
+from mpengine.server.request_logs import AccessLog
 from mpengine.server.schemas import (
     CHAT_TEMPLATE_REFUSED,
     ChatCompletionRequest,
@@ -63,7 +66,8 @@ def _json(value: msgspec.Struct | dict, status: int = 200) -> Response:
 
 
 def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
-    app = FastAPI(title="mpengine", docs_url=None, redoc_url=None, openapi_url=None)
+    # /docs and /openapi.json as FastAPI makes them, from the request schemas.
+    app = FastAPI(title="mpengine", version=__version__, redoc_url=None)
     app.state.server = state
     install_handlers(app)
     app.add_middleware(BodyLimit, limit=state.max_body_bytes)
@@ -77,14 +81,17 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
             allow_headers=cors.headers,
             allow_credentials=cors.credentials,
         )
-    app.add_middleware(CountResponses, state=state)  # outermost: every answer counts
+    app.add_middleware(CountResponses, state=state)  # every answer counts
+    if state.access_log:  # outermost: a line once the answer is complete
+        app.add_middleware(AccessLog)
     app.include_router(_v1_routes(state))
     app.include_router(_service_routes(state))
     return app
 
 
 def _v1_routes(state: ServerState) -> APIRouter:
-    """The OpenAI API: completions, chat completions, embeddings, models."""
+    """The OpenAI API: completions, chat completions, embeddings, models; and SageMaker's
+    ``/invocations``, which takes any of the three."""
 
     def check_generates(name: str | None) -> None:
         """400 for a generation request to a model that only embeds."""
@@ -96,33 +103,56 @@ def _v1_routes(state: ServerState) -> APIRouter:
             )
             raise APIError(400, message, "model")
 
-    v1 = APIRouter(prefix="/v1")
+    v1 = APIRouter()
 
-    @v1.post("/completions")
+    @v1.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_generates(body.model)
         return await create_completion(state, body, request)
 
-    @v1.post("/chat/completions")
+    @v1.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_generates(body.model)
         return await create_chat_completion(state, body, request)
 
-    @v1.post("/embeddings")
+    @v1.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         return await create_embedding(state, body, request)
 
     def card(name: str) -> ModelCard:
         return ModelCard(name, state.created, state.info.model, state.info.max_model_len)
 
-    @v1.get("/models")
+    @v1.get("/v1/models")
     async def models() -> Response:
         return _json(ModelList([card(name) for name in state.model_names]))
 
-    @v1.get("/models/{name:path}")
+    @v1.get("/v1/models/{name:path}")
     async def model(name: str) -> Response:
         """One model's card (``client.models.retrieve``); 404 for a name not served."""
         return _json(card(state.check_model(name)))
+
+    @v1.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """The body's shape picks the API, as vLLM's ``/invocations`` does: ``messages``, a
+        chat completion; ``prompt``, a completion; ``input``, embeddings."""
+        try:
+            body = msgspec.json.decode(await request.body())
+        except msgspec.DecodeError as exc:
+            raise APIError(400, f"the body is not valid JSON ({exc})") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        for field, schema, handler in (
+            ("messages", ChatCompletionRequest, chat_completions),
+            ("prompt", CompletionRequest, completions),
+            ("input", EmbeddingRequest, embeddings),
+        ):
+            if field in body:
+                try:
+                    parsed = schema.model_validate(body)
+                except ValidationError as exc:
+                    raise RequestValidationError(exc.errors()) from None
+                return await handler(parsed, request)  # type: ignore[operator]
+        raise APIError(400, "give messages (chat), prompt (completion) or input (embeddings)")
 
     return v1
 
@@ -135,6 +165,7 @@ def _service_routes(state: ServerState) -> APIRouter:
     async def version() -> Response:
         return _json({"version": __version__})
 
+    @router.api_route("/ping", methods=["GET", "POST"])  # (SageMaker's health check)
     @router.get("/health")
     async def health() -> Response:
         problem = state.monitor.problem()
@@ -178,12 +209,13 @@ def _service_routes(state: ServerState) -> APIRouter:
 
 # Besides /v1/...: the other routes that make the server work for the client (health,
 # version and metrics stay open, for probes and scrapers).
-GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize"})
+GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize", "/invocations"})
 
 
 class ApiKey:
-    """``Authorization: Bearer KEY`` on every ``/v1`` path, ``/tokenize`` and ``/detokenize``
-    (vLLM leaves those two open, but a large chat to render there is work for anyone),
+    """``Authorization: Bearer KEY`` on every ``/v1`` path, ``/invocations``, ``/tokenize``
+    and ``/detokenize`` (vLLM leaves those two open, but a large chat to render there is work
+    for anyone),
     compared in constant time and checked before anything else of the request: a body that
     is too large or not JSON is a 401 too, as in vLLM."""
 
@@ -252,6 +284,10 @@ ROUTES = frozenset(
         "/metrics",
         "/tokenize",
         "/detokenize",
+        "/ping",
+        "/invocations",
+        "/docs",
+        "/openapi.json",
     }
 )
 

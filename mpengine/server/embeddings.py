@@ -25,6 +25,7 @@ from starlette.responses import Response
 from mpengine.protocol import PoolingParams
 from mpengine.server.errors import bad_request, field_of, from_engine
 from mpengine.server.generation import until_disconnected
+from mpengine.server.request_logs import log_request
 from mpengine.server.schemas import EmbeddingData, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 from mpengine.server.state import ServerState
 
@@ -109,6 +110,8 @@ async def _embed(
     request metrics, each input as it finishes. A cancelled call (the HTTP client went
     away) aborts the requests: the inputs not finished then count as aborted."""
     request_ids = [f"{request_id}-{index}" for index in range(len(prompts))]
+    if state.log_requests:
+        log_request(request_id, prompts, params, state.text.decode)  # type: ignore[arg-type]
     finished = 0
 
     def count(_: int, out: EmbeddingOutput) -> None:

@@ -22,6 +22,7 @@ from mpengine.client.outputs import RequestOutput
 from mpengine.errors import InvalidRequestError
 from mpengine.protocol import SamplingParams
 from mpengine.server.errors import APIError, from_engine
+from mpengine.server.request_logs import log_request
 
 if TYPE_CHECKING:
     from mpengine.server.state import ServerState
@@ -86,6 +87,8 @@ class Generation:
         self.state = state
         self.prompts = prompts
         self.params = params
+        if state.log_requests:
+            log_request(request_id, prompts, params, state.text.decode)
         ranked = not params.streams
         self.trackers = [state.metrics.tracker(len(p), params.n, ranked) for p in prompts]
         self.refused = False

@@ -60,6 +60,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default="warning",
         help="uvicorn's log level (default: warning)",
     )
+    group.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no access line per HTTP request (method, path, status, duration)",
+    )
+    group.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request's parameters and prompt lengths (the prompt's text too at "
+        "--log-level debug)",
+    )
+    group.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="vLLM's older flag: requests are not logged unless --enable-log-requests",
+    )
     group.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file")
     group.add_argument(
         "--ssl-certfile", default=None, help="serve HTTPS with this certificate file"

@@ -37,7 +37,7 @@ from mpengine.runtime.stage import STACKS_SIGNAL, configure_logging
 from mpengine.server.app import Cors, build_app
 from mpengine.server.health import EngineMonitor, StatsLog, has_work
 from mpengine.server.state import ServerState
-from mpengine.server.text import TextTools, load_chat_template
+from mpengine.server.text import NO_TEMPLATE, TextTools, load_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +309,19 @@ def _state(engine: Engine, args: argparse.Namespace, api_key: str | None) -> Ser
     metrics = ServerMetrics(names[0], info.max_model_len, cache_config)
     monitor = EngineMonitor(client, metrics, args.stall_timeout)
     text = TextTools(info.tokenizer, args.chat_template, args.chat_template_content_format)
-    return ServerState(client, info, text, metrics, monitor, names, api_key)
+    if text.template is None and info.can_generate:
+        logger.warning("%s; /v1/chat/completions refuses messages", NO_TEMPLATE)
+    return ServerState(
+        client,
+        info,
+        text,
+        metrics,
+        monitor,
+        names,
+        api_key,
+        access_log=not args.disable_uvicorn_access_log,
+        log_requests=args.enable_log_requests,
+    )
 
 
 def _announce(engine: Engine, listener: socket.socket, model: str, scheme: str) -> None:

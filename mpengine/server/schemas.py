@@ -262,6 +262,12 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS... on text prompts
 
 
+# The roles a message may have (OpenAI's, and Llama 3's ``ipython`` for tool results), and
+# those whose messages need content (an assistant's may be empty, or carry tool calls).
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"})
+ROLES_NEEDING_CONTENT = frozenset({"system", "developer", "user", "tool", "function", "ipython"})
+
+
 class ChatMessage(RequestModel):
     """A chat message; content is text or a list of text parts. Other fields (``name``,
     ``tool_calls``...) are handed to the chat template as they are."""
@@ -270,6 +276,14 @@ class ChatMessage(RequestModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _role_and_content(self) -> ChatMessage:
+        if self.role not in CHAT_ROLES:
+            raise ValueError(f"unknown role {self.role!r} (roles: {', '.join(sorted(CHAT_ROLES))})")
+        if self.content is None and self.role in ROLES_NEEDING_CONTENT:
+            raise ValueError(f"a message of role {self.role!r} needs content")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -53,6 +53,12 @@ def _as_400(work: Callable[[], T]) -> T:
         raise bad_request(str(exc), exc.param) from None
 
 
+NO_TEMPLATE = (
+    "the model has no chat template: send a prompt to /v1/completions, or start the server "
+    "with --chat-template FILE"
+)
+
+
 class TextTools:
     def __init__(
         self, tokenizer_dir: str, chat_template: str | None = None, content_format: str = "auto"
@@ -126,6 +132,8 @@ class TextTools:
 
     def render_chat(self, messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> str:
         """The prompt text (``ChatTemplate.render``'s arguments), a template's error as a 400."""
+        if self.template is None:
+            raise bad_request(NO_TEMPLATE, "messages")
         return _as_400(lambda: self.chat.render(messages, *args, **kwargs))
 
 

@@ -138,6 +138,32 @@ def test_models_keys_and_health(server: Served, api: openai.OpenAI) -> None:
     assert error.value.body["param"] == "model"
 
 
+def test_docs_ping_and_invocations(server: Served) -> None:
+    """FastAPI's /docs and /openapi.json from the real schemas; SageMaker's /ping (health)
+    and /invocations (the body's shape picks the API), the latter behind the key."""
+    status, schema = http(server, "/openapi.json", key=None)
+    assert status == 200 and schema["info"]["version"] == mpengine.__version__
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/invocations"):
+        assert path in schema["paths"], path
+    chat_schema = schema["components"]["schemas"]["ChatCompletionRequest"]
+    assert "messages" in chat_schema["properties"]
+    with urllib.request.urlopen(server.url + "/docs", timeout=REQUEST_TIMEOUT_S) as reply:
+        assert reply.status == 200 and b"swagger" in reply.read().lower()
+    assert http(server, "/ping", key=None) == (200, {"status": "ok"})
+    assert http(server, "/ping", {}, key=None) == (200, {"status": "ok"})  # POST too
+    prompt = {"prompt": "Once upon", "max_tokens": 2, "temperature": 0}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, reply = http(server, "/invocations", prompt)
+    assert status == 200 and reply["object"] == "text_completion", reply
+    status, reply = http(server, "/invocations", chat)
+    assert status == 200 and reply["object"] == "chat.completion", reply
+    assert http(server, "/invocations", prompt, key=None)[0] == 401
+    status, reply = http(server, "/invocations", {"temperature": 0})
+    assert status == 400 and "give messages (chat), prompt" in reply["error"]["message"]
+    status, reply = http(server, "/invocations", {"prompt": "x", "n": 0})
+    assert status == 400 and reply["error"]["param"] == "n", reply
+
+
 # -- completions -------------------------------------------------------------------------------
 
 
@@ -780,6 +806,14 @@ def test_bad_parameters_name_the_field(api: openai.OpenAI, server: Served) -> No
         ),
         ("/v1/chat/completions", {**chat, "max_completion_tokens": 0}, "max_completion_tokens"),
         ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stop": "y"}, "stop"),
+        # A message with a role no template knows, or without the content its role needs.
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0"),
+        ("/v1/chat/completions", {"messages": [*chat["messages"], {"role": "user"}]}, "messages.1"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "system", "content": None}, *chat["messages"]]},
+            "messages.0",
+        ),
     ]:
         status, reply = http(server, path, body)
         assert status == 400 and reply["error"]["param"].startswith(field), (body, reply)

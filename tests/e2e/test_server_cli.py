@@ -172,13 +172,19 @@ def test_serve_flag_mistakes_fail_before_loading(tmp_path: Path) -> None:
         assert "Traceback" not in done.stderr and "loaded" not in done.stderr
 
 
-def test_the_api_key_may_come_from_the_environment(tmp_path: Path) -> None:
-    """vLLM's VLLM_API_KEY (or MPENGINE_API_KEY): a vLLM deployment keeping its key in the
-    environment came up open."""
-    with serving(tmp_path, env={"VLLM_API_KEY": "from-env"}) as served:
+def test_a_vllm_deployment_starts_and_logs_its_requests(tmp_path: Path) -> None:
+    """A vLLM deployment's environment and flags: the key from VLLM_API_KEY (a deployment
+    keeping its key there came up open), vLLM's flags accepted (the pointless ones named in
+    one note), an access line per HTTP request and, with --enable-log-requests, a line per
+    engine request."""
+    flags = ["--log-level", "INFO", "--enable-log-requests", "--trust-remote-code", "-tp", "1"]
+    flags += ["--max-model-len", "2k", "--disable-log-stats"]
+    with serving(tmp_path, *flags, env={"VLLM_API_KEY": "from-env"}) as served:
         for key, status in (("wrong", 401), ("from-env", 200)):
             request = urllib.request.Request(
-                served.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}
+                served.url + "/v1/completions",
+                json.dumps({"prompt": "Once upon", "max_tokens": 3}).encode(),
+                {"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
             )
             try:
                 urllib.request.urlopen(request, timeout=30).close()
@@ -186,6 +192,18 @@ def test_the_api_key_may_come_from_the_environment(tmp_path: Path) -> None:
             except urllib.error.HTTPError as error:
                 got = error.code
             assert got == status, key
+        assert served.stop() == 0
+    log = served.stderr.read_text()
+    assert log.count("mpengine: note: no effect here: --trust-remote-code") == 1, log
+    assert "--disable-log-stats" in log and "--tensor-parallel-size" not in log
+    assert (
+        '"POST /v1/completions HTTP/1.1" 401 ' in log
+        and '"POST /v1/completions HTTP/1.1" 200 ' in log
+    )
+    assert (
+        "request cmpl-" in log and '"max_tokens":3' in log
+    )  # (the refused one: no engine request)
+    assert log.count("request cmpl-") == 1
 
 
 def test_http_connections_send_without_nagle_delay() -> None:

@@ -691,3 +691,25 @@ def test_http_answers_count_known_methods_and_crashed_handlers() -> None:
         ("/health", "GET", "2xx"): 1,
         ("/v1/completions", "POST", "5xx"): 1,
     }
+
+
+@pytest.mark.parametrize(
+    "message, error",
+    [
+        ({"role": "wizard", "content": "hi"}, "unknown role 'wizard'"),
+        ({"role": "user", "content": None}, "a message of role 'user' needs content"),
+        ({"role": "tool"}, "a message of role 'tool' needs content"),
+        ({"role": "system"}, "a message of role 'system' needs content"),
+    ],
+)
+def test_messages_need_a_known_role_and_the_content_it_needs(message: dict, error: str) -> None:
+    with pytest.raises(ValidationError, match=error):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}, message])
+
+
+def test_an_assistant_message_may_be_empty_or_carry_tool_calls() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]}]
+    assert ChatCompletionRequest(messages=messages).messages[1].content is None
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant"}]
+    assert ChatCompletionRequest(messages=messages).messages[1].content is None

@@ -1,0 +1,78 @@
+"""The server's request logs: an access line per HTTP request once its answer is complete,
+and (``--enable-log-requests``) a line per engine request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from mpengine.protocol import SamplingParams
+from mpengine.server.request_logs import AccessLog, log_request
+
+SCOPE = {
+    "type": "http",
+    "method": "POST",
+    "path": "/v1/completions",
+    "http_version": "1.1",
+    "client": ("127.0.0.1", 5000),
+}
+
+
+async def _receive() -> dict:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+def run(app) -> list[dict]:
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(AccessLog(app)(dict(SCOPE), _receive, send))
+    return sent
+
+
+def test_one_access_line_per_request_with_status_and_duration(caplog) -> None:
+    async def streamed(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        for chunk in (b"a", b"b"):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    with caplog.at_level(logging.INFO, logger="mpengine.access"):
+        sent = run(streamed)
+    assert len(sent) == 4  # the answer passes through untouched
+    (record,) = [r for r in caplog.records if r.name == "mpengine.access"]
+    line = record.getMessage()
+    assert line.startswith('127.0.0.1:5000 "POST /v1/completions HTTP/1.1" 201 ')
+    assert line.endswith("ms") and float(line.split()[-1].removesuffix("ms")) >= 0
+
+
+def test_a_request_that_fails_is_logged_as_500(caplog) -> None:
+    async def broken(scope, receive, send) -> None:
+        raise RuntimeError("boom")
+
+    with caplog.at_level(logging.INFO, logger="mpengine.access"), pytest.raises(RuntimeError):
+        run(broken)
+    assert '"POST /v1/completions HTTP/1.1" 500 ' in caplog.records[-1].getMessage()
+
+
+def test_engine_requests_log_their_parameters_and_lengths_and_text_only_at_debug(caplog) -> None:
+    params = SamplingParams(max_tokens=7, temperature=0.5)
+    with caplog.at_level(logging.INFO, logger="mpengine.requests"):
+        log_request("cmpl-1", [[1, 2, 3], [4, 5]], params, lambda ids: f"text of {ids}")
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("request cmpl-1: prompts 3, 2, params {")
+    assert '"max_tokens":7' in line and '"temperature":0.5' in line
+    assert "text of" not in line
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="mpengine.requests"):
+        log_request("embd-1", ["some words", [9]], params, lambda ids: f"text of {ids}")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("request embd-1: prompts 10 chars, 1, params")
+    assert lines[1:] == [
+        "request embd-1 prompt 0: 'some words'",
+        "request embd-1 prompt 1: 'text of [9]'",
+    ]
