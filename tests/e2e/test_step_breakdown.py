@@ -136,7 +136,10 @@ def test_trace_shows_the_stages_overlapping(start_engine, tmp_path: Path):
     """Async depth 1: step k's forward runs beside step k+1's scheduling and step k-1's
     output processing, in three processes whose clocks are one."""
     trace = tmp_path / "trace.json"
-    engine = start_engine(runtime="processes", trace=str(trace), log_level="WARNING", **ENGINE)
+    # A forward pass of milliseconds, not the tiny model's tenths: beside another test's
+    # engine on the same cores, the next step's scheduling must fall within one.
+    config = {**ENGINE, "model": "small"}
+    engine = start_engine(runtime="processes", trace=str(trace), log_level="WARNING", **config)
     with engine.client() as client:
         client.generate_many(PROMPTS * 2, SamplingParams(max_tokens=24, ignore_eos=True))
     engine.shutdown()  # the stages write their parts, the launcher merges them
