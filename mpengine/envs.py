@@ -49,16 +49,17 @@ def cache_dir() -> Path:
     return base / "mpengine"
 
 
-def write_atomically(path: str | os.PathLike[str], data: bytes) -> None:
+def write_atomically(path: str | os.PathLike[str], data: bytes, mode: int | None = None) -> None:
     """A reader never sees a half-written file: write a sibling, then rename it. The sibling
     is created new, under a random name (a predictable one, planted as a symlink, would
-    have the data written wherever it points)."""
+    have the data written wherever it points). ``mode``: the file's, whatever the umask
+    (default: as ``open`` makes it)."""
     directory, name = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o666 & ~_UMASK)  # as open() would have made it (mkstemp: 0600)
+        os.chmod(tmp, 0o666 & ~_UMASK if mode is None else mode)  # (mkstemp makes it 0600)
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)

@@ -146,39 +146,70 @@ def sweep_stale_runtime_dirs() -> list[str]:
 
 
 def private_dir(path: str) -> str:
-    """``path`` (normalised) as a directory only this user can change; created with mode
-    0700 when missing.
+    """``path`` (its parent resolved) as a directory only this user can change; created
+    with mode 0700 when missing, and so are missing parents.
 
     Raises EngineStartError when it is a symlink, not a directory, owned by another user,
-    or group/world-writable: whoever can write there can swap the engine's sockets and read
-    every prompt.
+    or group/world-writable, or when another user could rename it or a parent, as
+    OpenSSH's StrictModes checks a path: every parent must be owned by this user or root
+    and writable by no one else, unless it is sticky (as /tmp) and what it holds on the
+    path is this user's or root's. Whoever can swap the directory can swap the engine's
+    sockets and read every prompt.
     """
     path = os.path.normpath(path)
     parent = os.path.dirname(path)
     try:
-        if parent:
-            os.makedirs(parent, exist_ok=True)
+        parent = os.path.realpath(parent) if parent else os.getcwd()
+        _make_private_parents(parent)
+        path = os.path.join(parent, os.path.basename(path))
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o700)
         st = os.lstat(path)
     except OSError as exc:
         raise EngineStartError(f"cannot create ipc directory {path}: {exc.strerror}") from None
     euid = os.geteuid()
-    problem = None
+    problem = _unsafe_parent(path)
     if stat.S_ISLNK(st.st_mode):
-        problem = "is a symlink"
+        problem = "it is a symlink"
     elif not stat.S_ISDIR(st.st_mode):
-        problem = "is not a directory"
+        problem = "it is not a directory"
     elif st.st_uid != euid:
-        problem = f"is owned by uid {st.st_uid}, not by this user (uid {euid})"
+        problem = f"it is owned by uid {st.st_uid}, not by this user (uid {euid})"
     elif st.st_mode & 0o022:
-        problem = f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})"
+        problem = f"it is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})"
     if problem:
         raise EngineStartError(
-            f"refusing ipc directory {path}: it {problem}; another user could swap the "
+            f"refusing ipc directory {path}: {problem}; another user could swap the "
             "engine's sockets. Use a directory of your own with mode 0700."
         )
     return path
+
+
+def _make_private_parents(parent: str) -> None:
+    """Create the missing directories of ``parent``, each with mode 0700."""
+    missing = []
+    while parent and not os.path.lexists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o700)
+
+
+def _unsafe_parent(path: str) -> str | None:
+    """Why another user could rename ``path`` or one of its parents, or None."""
+    euid = os.geteuid()
+    child = path
+    while (parent := os.path.dirname(child)) != child:
+        st = os.lstat(parent)
+        held = os.lstat(child).st_uid in (0, euid)
+        if st.st_uid not in (0, euid):
+            return f"its parent {parent} is owned by uid {st.st_uid}"
+        if st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and held):
+            mode = stat.S_IMODE(st.st_mode)
+            return f"its parent {parent} is writable by others (mode {mode:o})"
+        child = parent
+    return None
 
 
 def lock_dir(directory: str) -> int:

@@ -62,6 +62,8 @@ def bind_router(
     if listens_ipv6(address):
         sock.setsockopt(zmq.IPV6, 1)
     sock.bind(address)
+    if address.startswith("ipc://"):  # (libzmq makes it as the umask says)
+        os.chmod(address[len("ipc://") :], 0o600)
     return sock
 
 

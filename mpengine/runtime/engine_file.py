@@ -21,9 +21,9 @@ ENGINE_FILE = "engine.json"
 
 
 def write_engine_file(directory: str, record: dict) -> None:
-    """Write ``DIR/engine.json``: aside, then renamed, so that a reader never sees half a
-    file."""
-    write_atomically(Path(directory) / ENGINE_FILE, json.dumps(record).encode())
+    """Write ``DIR/engine.json`` (0600): aside, then renamed, so that a reader never sees
+    half a file."""
+    write_atomically(Path(directory) / ENGINE_FILE, json.dumps(record).encode(), mode=0o600)
 
 
 def read_engine_file(directory: str) -> dict | None:

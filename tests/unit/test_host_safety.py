@@ -134,6 +134,65 @@ def test_another_users_dir_is_refused(tmp_path: Path, monkeypatch: pytest.Monkey
     assert str(path) in str(info.value)
 
 
+def _owned_by_another_user(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``path`` as another user's: given away when this is root, else this user made to
+    look like someone else (its own files then being another's)."""
+    if os.geteuid() == 0:
+        os.chown(path, 4242, 4242)
+    else:
+        monkeypatch.setattr(os, "geteuid", lambda: os.stat(path).st_uid + 4242)
+
+
+def test_a_parent_another_user_owns_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """That user could rename our directory and put theirs, with sockets of their own, in
+    its place: the next client's prompts would go to them."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    (theirs / "sub").mkdir(mode=0o700)  # ours, already there
+    _owned_by_another_user(theirs, monkeypatch)
+    with pytest.raises(EngineStartError, match=f"its parent {theirs} is owned by uid"):
+        private_dir(str(theirs / "sub"))
+
+
+def test_a_parent_others_may_write_is_refused_unless_sticky(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(EngineStartError, match=f"its parent {shared} is writable by others"):
+        private_dir(str(shared / "engine"))
+    shared.chmod(0o1777)  # as /tmp: only an entry's owner may rename it
+    assert private_dir(str(shared / "engine")) == str(shared / "engine")
+
+
+def test_missing_parents_are_created_0700_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        path = private_dir(str(tmp_path / "x" / "y" / "engine"))
+    finally:
+        os.umask(old)
+    for directory in (tmp_path / "x", tmp_path / "x" / "y", Path(path)):
+        assert directory.stat().st_mode & 0o777 == 0o700, directory
+
+
+def test_socket_files_and_the_engine_file_are_0600_whatever_the_umask(tmp_path: Path) -> None:
+    from mpengine.runtime.edges import bind_router
+    from mpengine.runtime.engine_file import ENGINE_FILE, write_engine_file
+
+    ctx = zmq.Context()
+    old = os.umask(0)
+    try:
+        sock = bind_router(ctx, f"ipc://{tmp_path}/requests.sock", 1 << 20)
+        write_engine_file(str(tmp_path), {"pid": os.getpid()})
+    finally:
+        os.umask(old)
+    try:
+        assert (tmp_path / "requests.sock").stat().st_mode & 0o777 == 0o600
+        assert (tmp_path / ENGINE_FILE).stat().st_mode & 0o777 == 0o600
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
 def test_lock_dir_admits_one_holder(tmp_path: Path) -> None:
     fd = lock_dir(str(tmp_path))
     try:
