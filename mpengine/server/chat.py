@@ -79,7 +79,7 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[i
             extra,
         ),
     )
-    (ids,) = await state.text.encode([text], add_special_tokens=body.add_special_tokens)
+    (ids,) = await state.text.encode([text], body.add_special_tokens, field="messages")
     return ids
 
 

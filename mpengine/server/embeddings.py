@@ -58,7 +58,7 @@ async def create_embedding(
         raise bad_request(str(exc), _param_of(str(exc))) from None
     if not body.add_special_tokens:  # tokenized here (the client library adds them)
         texts = [prompt for prompt in prompts if isinstance(prompt, str)]
-        encoded = iter(await state.text.encode(texts, add_special_tokens=False))
+        encoded = iter(await state.text.encode(texts, add_special_tokens=False, field="input"))
         prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
     request_id = f"embd-{uuid.uuid4().hex}"
     work = _embed(state, prompts, params, request_id, body.priority)

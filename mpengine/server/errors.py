@@ -28,6 +28,7 @@ _TYPES = {
     503: "service_unavailable_error",
 }
 # The engine's RequestError kinds.
+RETRY_AFTER_S = 1  # what a 503 says to wait before trying again
 _KIND_STATUS = {"invalid": 400, "unknown": 400, "too_large": 413, "overloaded": 503}
 # Where an error message names the field: msgspec's "... - at `$.temperature`" (the
 # engine's own says "- at `sampling.temperature`" or "- at `pooling.dimensions`"), or a
@@ -51,7 +52,11 @@ class APIError(Exception):
         body = ErrorResponse(
             ErrorInfo(self.message, error_type(self.status), self.param, self.code)
         )
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = None
+        if self.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        elif self.status == 503:  # overloaded, draining or restarting: come back (elsewhere)
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
         return Response(
             msgspec.json.encode(body),
             status_code=self.status,

@@ -308,7 +308,9 @@ def _state(engine: Engine, args: argparse.Namespace, api_key: str | None) -> Ser
     }
     metrics = ServerMetrics(names[0], info.max_model_len, cache_config)
     monitor = EngineMonitor(client, metrics, args.stall_timeout)
-    text = TextTools(info.tokenizer, args.chat_template, args.chat_template_content_format)
+    text = TextTools(
+        info.tokenizer, args.chat_template, args.chat_template_content_format, info.max_model_len
+    )
     if text.template is None and info.can_generate:
         logger.warning("%s; /v1/chat/completions refuses messages", NO_TEMPLATE)
     return ServerState(

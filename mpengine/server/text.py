@@ -60,12 +60,28 @@ NO_TEMPLATE = (
 
 
 class TextTools:
+    """The server's tokenizer and chat template. ``max_tokens``: the most tokens a text may
+    become (``max_model_len``); a text too long to fit, whatever it holds, is refused before
+    it is tokenized (see :meth:`encode`)."""
+
     def __init__(
-        self, tokenizer_dir: str, chat_template: str | None = None, content_format: str = "auto"
+        self,
+        tokenizer_dir: str,
+        chat_template: str | None = None,
+        content_format: str = "auto",
+        max_tokens: int | None = None,
     ) -> None:
         path = Path(tokenizer_dir) / "tokenizer.json"
         self.tokenizer = (
             as_transformers_encodes(Tokenizer.from_file(str(path))) if path.exists() else None
+        )
+        self.max_tokens = max_tokens
+        # No token stands for more characters than its spelling in the vocabulary has (a
+        # byte-level token's characters are bytes, a SentencePiece one's are its own).
+        self.max_token_chars = (
+            max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+            if self.tokenizer is not None
+            else 1
         )
         self.chat = ChatTemplate.from_dir(
             tokenizer_dir, chat_template, content_format=content_format
@@ -91,10 +107,24 @@ class TextTools:
             raise bad_request("the model has no tokenizer.json: send token ids", "prompt")
         return self.tokenizer
 
-    async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    async def encode(
+        self, texts: list[str], add_special_tokens: bool = True, field: str = "prompt"
+    ) -> list[list[int]]:
         """Token ids of each text; long texts are tokenized off the event loop, so that a
-        multi-megabyte prompt does not stall the other requests."""
+        multi-megabyte prompt does not stall the other requests. A text longer than
+        ``max_tokens`` tokens can spell is a 400 (naming ``field``) at once: tokenizing it
+        took seconds and gigabytes only to refuse it."""
         tokenizer = self._require_tokenizer()
+        if self.max_tokens is not None:
+            limit = self.max_tokens * self.max_token_chars
+            longest = max(map(len, texts), default=0)
+            if longest > limit:
+                raise bad_request(
+                    f"{field}: a text of {longest:,} characters is more than the "
+                    f"{self.max_tokens:,} tokens of the model's context can hold (at most "
+                    f"{self.max_token_chars} characters a token)",
+                    field,
+                )
         return await off_the_loop(texts, lambda: encode_texts(tokenizer, texts, add_special_tokens))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:

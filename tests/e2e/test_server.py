@@ -806,6 +806,9 @@ def test_bad_parameters_name_the_field(api: openai.OpenAI, server: Served) -> No
         ),
         ("/v1/chat/completions", {**chat, "max_completion_tokens": 0}, "max_completion_tokens"),
         ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stop": "y"}, "stop"),
+        # A text longer than the context can hold in any tokenization: refused untokenized.
+        ("/v1/completions", {"prompt": "x" * 100_000}, "prompt"),
+        ("/tokenize", {"prompt": "x" * 100_000}, "prompt"),
         # A message with a role no template knows, or without the content its role needs.
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0"),
         ("/v1/chat/completions", {"messages": [*chat["messages"], {"role": "user"}]}, "messages.1"),
@@ -914,6 +917,7 @@ def test_overloaded_is_503_and_the_engine_recovers(api: openai.OpenAI, server: S
             )
         assert error.value.status_code == 503
         assert error.value.body["code"] == "overloaded"
+        assert error.value.response.headers["Retry-After"] == "1"  # when to try again
         # Refused prompts of a request of several count in no finish reason: none ran.
         aborts = ("mpengine:request_success_total", (("finished_reason", "abort"),))
         before = _metrics(server).get(aborts, 0.0)

@@ -713,3 +713,15 @@ def test_an_assistant_message_may_be_empty_or_carry_tool_calls() -> None:
     assert ChatCompletionRequest(messages=messages).messages[1].content is None
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant"}]
     assert ChatCompletionRequest(messages=messages).messages[1].content is None
+
+
+def test_a_text_too_long_for_the_context_is_refused_before_tokenizing() -> None:
+    """A 15 MB prompt was tokenized for 20 s (and 2.4 GB) only to be refused: a text longer
+    than max_model_len tokens can spell is refused at once, naming the field."""
+    text = TextTools(resolve_model("tiny"), max_tokens=16)
+    limit = 16 * text.max_token_chars
+    (ids,) = asyncio.run(text.encode(["a" * limit]))  # may fit: tokenized
+    assert ids
+    with pytest.raises(APIError, match="more than the 16 tokens") as refused:
+        asyncio.run(text.encode(["ok", "a" * (limit + 1)], field="input"))
+    assert refused.value.status == 400 and refused.value.param == "input"
