@@ -199,7 +199,9 @@ def _service_routes(state: ServerState) -> APIRouter:
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
         state.check_model(body.model)
-        vocab = state.info.vocab_size
+        vocab, most = state.info.vocab_size, state.info.max_model_len
+        if len(body.tokens) > most:  # (no sequence of the model is longer)
+            raise APIError(400, f"tokens: at most max_model_len ({most}) ids", "tokens")
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"tokens: ids must be in 0..{vocab - 1}", "tokens")
         return _json(DetokenizeResponse(state.text.decode(body.tokens)))

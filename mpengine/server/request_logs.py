@@ -1,6 +1,8 @@
 """What the server logs of its requests: an access line per HTTP request (on by default;
 ``--disable-uvicorn-access-log``), and with ``--enable-log-requests`` each engine request's
 parameters and prompt lengths (its text too, at ``--log-level debug``), as vLLM logs them.
+Warnings that a client can cause at will (a malformed HTTP request is uvicorn's "Invalid
+HTTP request received") pass :class:`RateLimit`: a flood of them is a few lines.
 
 An access line is written when the answer is complete (a stream's last chunk sent, or the
 client gone): ``CLIENT "METHOD PATH HTTP/VERSION" STATUS DURATIONms``.
@@ -72,3 +74,31 @@ def log_request(
         for index, prompt in enumerate(prompts):
             text = prompt if isinstance(prompt, str) else decode(list(prompt))
             request_logger.debug("request %s prompt %d: %r", request_id, index, text)
+
+
+class RateLimit(logging.Filter):
+    """Lets through at most ``burst`` records of one message (its format string) every
+    ``window`` seconds; the first one after a window says how many were dropped in it."""
+
+    def __init__(
+        self, burst: int = 5, window: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__()
+        self.burst, self.window, self.clock = burst, window, clock
+        self.seen: dict[str, tuple[float, int, int]] = {}  # msg -> (window start, passed, dropped)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self.clock()
+        key = str(record.msg)
+        start, passed, dropped = self.seen.get(key, (now, 0, 0))
+        if now - start >= self.window:
+            if dropped:
+                record.msg = f"{record.msg} ({dropped} more like it in the last {self.window:g} s)"
+            start, passed, dropped = now, 0, 0
+        if passed >= self.burst:
+            self.seen[key] = (start, passed, dropped + 1)
+            return False
+        if len(self.seen) >= 1024 and key not in self.seen:  # (messages are format strings)
+            self.seen.clear()
+        self.seen[key] = (start, passed + 1, dropped)
+        return True

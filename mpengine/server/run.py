@@ -36,6 +36,7 @@ from mpengine.runtime.notify import Notifier
 from mpengine.runtime.stage import STACKS_SIGNAL, configure_logging
 from mpengine.server.app import Cors, build_app
 from mpengine.server.health import EngineMonitor, StatsLog, has_work
+from mpengine.server.request_logs import RateLimit
 from mpengine.server.state import ServerState
 from mpengine.server.text import NO_TEMPLATE, TextTools, load_chat_template
 
@@ -227,6 +228,7 @@ async def _serve(
     _tune_gc()
     # 2. HTTP; once it listens, ready
     server = _http_server(state, args)
+    logging.getLogger("uvicorn.error").addFilter(RateLimit())  # (what clients cause at will)
     http = asyncio.create_task(server.serve(sockets=[listener]))
     while not server.started and not http.done():
         await asyncio.sleep(0.01)

@@ -809,6 +809,7 @@ def test_bad_parameters_name_the_field(api: openai.OpenAI, server: Served) -> No
         # A text longer than the context can hold in any tokenization: refused untokenized.
         ("/v1/completions", {"prompt": "x" * 100_000}, "prompt"),
         ("/tokenize", {"prompt": "x" * 100_000}, "prompt"),
+        ("/detokenize", {"tokens": [1] * 5000}, "tokens"),  # more than max_model_len (4096)
         # A message with a role no template knows, or without the content its role needs.
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0"),
         ("/v1/chat/completions", {"messages": [*chat["messages"], {"role": "user"}]}, "messages.1"),

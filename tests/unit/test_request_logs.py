@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from mpengine.protocol import SamplingParams
-from mpengine.server.request_logs import AccessLog, log_request
+from mpengine.server.request_logs import AccessLog, RateLimit, log_request
 
 SCOPE = {
     "type": "http",
@@ -76,3 +76,27 @@ def test_engine_requests_log_their_parameters_and_lengths_and_text_only_at_debug
         "request embd-1 prompt 0: 'some words'",
         "request embd-1 prompt 1: 'text of [9]'",
     ]
+
+
+def test_a_flood_of_one_warning_is_a_few_lines() -> None:
+    """2,000 malformed requests logged 2,000 warnings in 1.2 s: a message passes a few times
+    a window, and the first after it counts what was dropped."""
+    now = [0.0]
+    limit = RateLimit(burst=3, window=10.0, clock=lambda: now[0])
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.WARNING, "", 0, msg, None, None)
+
+    passed = [
+        r
+        for r in (record("Invalid HTTP request received.") for _ in range(2000))
+        if limit.filter(r)
+    ]
+    assert len(passed) == 3
+    assert limit.filter(record("another message"))  # each message has its own budget
+    now[0] = 10.0
+    late = record("Invalid HTTP request received.")
+    assert limit.filter(late)
+    assert (
+        late.getMessage() == "Invalid HTTP request received. (1997 more like it in the last 10 s)"
+    )
