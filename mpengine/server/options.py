@@ -54,6 +54,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="unhealthy once the engine has work but finished no step for this long (default: 60)",
     )
     group.add_argument(
+        "--stream-stall-timeout",
+        type=seconds,
+        default=10.0,
+        help="abort a stream whose client has read nothing for this long: its outputs "
+        "would pile up in the server (default: 10)",
+    )
+    group.add_argument(
         "--uvicorn-log-level",
         type=str.lower,
         choices=("critical", "error", "warning", "info", "debug", "trace"),

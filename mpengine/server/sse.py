@@ -4,6 +4,10 @@ A streaming response starts (status 200, headers) only once the first output arr
 request the engine refuses at once (overloaded, invalid) gets its proper status and JSON
 error instead of an event stream. An error after that point is sent as an event with
 OpenAI's error shape (which the ``openai`` package raises), followed by ``[DONE]``.
+
+A client that stops reading a stream would have its outputs pile up in the server (7.7 MB
+a stream was seen): a write that waits ``--stream-stall-timeout`` seconds for the client
+ends the stream and aborts its request.
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
+from starlette.types import Message, Send
 
 from mpengine.client.outputs import RequestOutput
 from mpengine.server.errors import APIError, error_type
@@ -67,4 +73,32 @@ async def stream_response(
             await generation.close()
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+    return _StallBounded(
+        body(), generation.state.stream_stall_s, media_type="text/event-stream", headers=headers
+    )
+
+
+class _Stalled(Exception):
+    pass
+
+
+class _StallBounded(StreamingResponse):
+    """A streaming response whose every write may wait ``stall_s`` seconds for the client;
+    past that the stream ends (its body closed: the generation aborted)."""
+
+    def __init__(self, content: AsyncIterator[bytes], stall_s: float, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.stall_s = stall_s
+
+    async def stream_response(self, send: Send) -> None:
+        async def bounded(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.stall_s)
+            except TimeoutError:
+                raise _Stalled from None
+
+        try:
+            await super().stream_response(bounded)
+        except _Stalled:
+            logger.info("a client read nothing of its stream for %g s: aborted", self.stall_s)
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]

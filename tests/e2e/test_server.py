@@ -38,6 +38,7 @@ SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
 # Logprobs of one position computed in different steps (other batch shapes, another CPU's
 # kernels) agree to float noise, not bit for bit: token ids are compared exactly instead.
 LOGPROB_TOLERANCE = 1e-4
+STALL_S = 4.0  # a stream whose client reads nothing this long is aborted
 
 
 def fake_hub_cache(root: Path) -> Path:
@@ -60,6 +61,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     flags = ["--model", HUB_ID, "--served-model-name", *NAMES, "--api-key", KEY]
     flags += ["--max-num-seqs", "8", "--max-waiting-requests", "8"]
     flags += ["--max-request-bytes", "65536", "--num-gpu-blocks-override", "256"]
+    flags += ["--stream-stall-timeout", str(STALL_S)]
     env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
     with serving(root, *flags, env=env) as served:
         yield served
@@ -962,6 +964,32 @@ def wait_stats(ipc: mpengine.Client, ready: Callable[[EngineStats], bool], timeo
 
 def _wait_running(ipc: mpengine.Client) -> None:
     wait_stats(ipc, lambda s: s.num_running > 0)
+
+
+def test_a_stream_nobody_reads_is_aborted(server: Served, ipc) -> None:
+    """A client that asked for a long stream and never read it held its outputs in the
+    server (7.7 MB a stream) until its socket closed: once a write waits the stall timeout,
+    the stream ends and its request is aborted."""
+    wait_idle(ipc, timeout=30)
+    before = ipc.stats().aborted
+    body = {"prompt": "Once upon", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    body |= {"logprobs": 20, "n": 4}  # large chunks: the socket buffers fill in seconds
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting)
+    try:
+        sock.connect((host, int(port)))
+        data = json.dumps(body).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + data)
+        wait_stats(ipc, lambda s: s.aborted > before, timeout=60 + STALL_S)
+        stats = wait_idle(ipc, timeout=30)
+        assert stats.num_free_blocks == stats.num_blocks
+    finally:
+        sock.close()
 
 
 @pytest.mark.parametrize("stream", [True, False])
