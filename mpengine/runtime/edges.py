@@ -37,6 +37,7 @@ class Sent(enum.Enum):
 # Replies (errors, stats, the tokenizer file) queued in ZMQ for one client on the request
 # edge; more wait in the front door's backlog, bounded in bytes (``front.py``).
 REPLY_HWM = 64
+HANDSHAKE_MS = 5000
 
 
 def bind_router(
@@ -55,6 +56,9 @@ def bind_router(
     sock.setsockopt(zmq.SNDHWM, send_hwm)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
+    # A connection that has not finished its handshake (a tcp client without the token, or
+    # none at all) is dropped after this, not libzmq's 30 s.
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
     if auth_token:
         from mpengine.auth import secure_server
 

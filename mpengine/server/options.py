@@ -54,6 +54,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="unhealthy once the engine has work but finished no step for this long (default: 60)",
     )
     group.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="HTTP connections served at once; past them a 503 at once (default: 8192, or "
+        "what the open-file limit allows, which serve raises to its hard limit)",
+    )
+    group.add_argument(
         "--stream-stall-timeout",
         type=seconds,
         default=10.0,

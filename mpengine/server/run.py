@@ -20,6 +20,7 @@ import faulthandler
 import gc
 import logging
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 ABORT_GRACE_S = 5.0  # after the drain deadline, for the aborted requests' last outputs
 HTTP_GRACE_S = 5.0  # for open connections to finish once the drain is over
 POLL_S = 0.05
+FILES_RESERVED = 256  # open files kept for the engine's own, beside HTTP connections
+DEFAULT_MAX_CONNECTIONS = 8192
 
 
 def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
@@ -61,6 +64,7 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         except ValueError as exc:
             raise SystemExit(f"mpengine: --chat-template: {exc}") from None
     configure_logging(engine_config.log_level, "serve")
+    args.max_connections = _connection_limit(args.max_connections)
     listener = _listen(args.host, args.port)
     notifier = Notifier.from_environment()
     # Until the event loop handles them, SIGTERM and SIGINT interrupt the start-up, which
@@ -291,8 +295,27 @@ def _http_server(state: ServerState, args: argparse.Namespace) -> _Server:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=HTTP_GRACE_S,
+            # Past it, a clean 503 at once (and never the open-file limit: see above).
+            limit_concurrency=args.max_connections,
         )
     )
+
+
+def _connection_limit(asked: int | None) -> int:
+    """Raise the soft limit on open files to the hard one (the usual 1,024 is soon reached
+    by keep-alive clients; at the limit asyncio's accept failed in a loop of tracebacks),
+    and return the connections to serve at once: ``asked``, else what the files allow after
+    a reserve for the engine's own (sockets, shared memory, the model's files)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    files = soft if soft != resource.RLIM_INFINITY else 1 << 20
+    room = max(16, files - FILES_RESERVED)
+    if asked is not None and asked > room:
+        logger.warning("--max-connections %d: the open-file limit allows %d", asked, room)
+    return min(asked, room) if asked is not None else min(room, DEFAULT_MAX_CONNECTIONS)
 
 
 def _state(engine: Engine, args: argparse.Namespace, api_key: str | None) -> ServerState:

@@ -178,7 +178,7 @@ def test_a_vllm_deployment_starts_and_logs_its_requests(tmp_path: Path) -> None:
     one note), an access line per HTTP request and, with --enable-log-requests, a line per
     engine request."""
     flags = ["--log-level", "INFO", "--enable-log-requests", "--trust-remote-code", "-tp", "1"]
-    flags += ["--max-model-len", "2k", "--disable-log-stats"]
+    flags += ["--max-model-len", "2k", "--disable-log-stats", "--max-connections", "4"]
     with serving(tmp_path, *flags, env={"VLLM_API_KEY": "from-env"}) as served:
         for key, status in (("wrong", 401), ("from-env", 200)):
             request = urllib.request.Request(
@@ -192,6 +192,19 @@ def test_a_vllm_deployment_starts_and_logs_its_requests(tmp_path: Path) -> None:
             except urllib.error.HTTPError as error:
                 got = error.code
             assert got == status, key
+        # The open-file limit raised to the hard one; past 4 connections a 503 at once.
+        limits = Path(f"/proc/{served.proc.pid}/limits").read_text().splitlines()
+        soft, hard = next(line for line in limits if line.startswith("Max open files")).split()[3:5]
+        assert soft == hard
+        host, port = served.url.removeprefix("http://").rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(3)]
+        try:
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(served.url + "/health", timeout=30)
+            assert refused.value.code == 503
+        finally:
+            for connection in idle:
+                connection.close()
         assert served.stop() == 0
     log = served.stderr.read_text()
     assert log.count("mpengine: note: no effect here: --trust-remote-code") == 1, log
