@@ -542,6 +542,7 @@ def test_a_stream_lets_the_loop_turn_between_chunks() -> None:
 
     class Generation:  # what stream_response uses of one
         closed = False
+        state = SimpleNamespace(stream_stall_s=10.0)
 
         async def next(self) -> tuple[int, None]:
             return 0, None
