@@ -59,7 +59,7 @@ def write_atomically(path: str | os.PathLike[str], data: bytes, mode: int | None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o666 & ~_UMASK if mode is None else mode)  # (mkstemp makes it 0600)
+        os.chmod(tmp, 0o666 & ~UMASK if mode is None else mode)  # (mkstemp makes it 0600)
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -71,7 +71,7 @@ def _read_umask() -> int:
     return mask
 
 
-_UMASK = _read_umask()
+UMASK = _read_umask()  # the process umask, as it was at start
 
 
 def fault_steps() -> frozenset[int]:

@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from mpengine.envs import cache_dir
+from mpengine.envs import UMASK, cache_dir
 
 
 class CacheError(OSError):
@@ -86,8 +86,6 @@ def _locked(path: Path) -> Iterator[None]:
 
 def _make_readable(directory: Path) -> None:
     """Entries are shared by every user of the cache (a service and its operator)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    directory.chmod(0o777 & ~mask)
+    directory.chmod(0o777 & ~UMASK)
     for path in directory.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~UMASK)

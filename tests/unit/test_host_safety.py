@@ -403,7 +403,7 @@ def test_address_in_use_is_said_plainly() -> None:
 def test_atomic_writes_do_not_follow_planted_links(tmp_path) -> None:
     """The sibling written first had a predictable name (FILE.PID.tmp): a symlink planted
     there (a trace path in a shared folder) had the data overwrite whatever it pointed at."""
-    from mpengine.envs import _UMASK, write_atomically
+    from mpengine.envs import UMASK, write_atomically
 
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep")
@@ -414,7 +414,7 @@ def test_atomic_writes_do_not_follow_planted_links(tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["victim", "trace.json", f"trace.json.{os.getpid()}.tmp"]
     )
-    assert (target.stat().st_mode & 0o777) == 0o666 & ~_UMASK
+    assert (target.stat().st_mode & 0o777) == 0o666 & ~UMASK
 
 
 def test_the_open_files_limit_is_raised() -> None:

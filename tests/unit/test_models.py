@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import mpengine
+from mpengine.envs import UMASK
 from mpengine.errors import EngineStartError
 from mpengine.models import builtin
 from mpengine.models import gguf as model_gguf
@@ -218,10 +219,4 @@ def test_a_dead_builders_leftovers_go_and_a_failed_build_leaves_nothing(tmp_path
     assert [p.name for p in final.parent.iterdir()] == [".entry.lock"]  # (kept: see cache.py)
     build_once(final, lambda out: (out / "weights").write_bytes(b"w"), "a test entry")
     assert sorted(p.name for p in final.parent.iterdir()) == ["entry"]
-    assert oct(final.stat().st_mode & 0o777) == oct(0o777 & ~_umask())
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    assert oct(final.stat().st_mode & 0o777) == oct(0o777 & ~UMASK)
