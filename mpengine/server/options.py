@@ -61,6 +61,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "what the open-file limit allows, which serve raises to its hard limit)",
     )
     group.add_argument(
+        "--http-head-timeout",
+        type=seconds,
+        default=10.0,
+        help="close a connection whose request line and headers take longer than this to "
+        "arrive (a slow sender holds a connection otherwise; default: 10)",
+    )
+    group.add_argument(
         "--stream-stall-timeout",
         type=seconds,
         default=10.0,

@@ -37,6 +37,7 @@ from mpengine.runtime.notify import Notifier
 from mpengine.runtime.stage import STACKS_SIGNAL, configure_logging
 from mpengine.server.app import Cors, build_app
 from mpengine.server.health import EngineMonitor, StatsLog, has_work
+from mpengine.server.http_protocol import protocol_with_head_timeout
 from mpengine.server.request_logs import RateLimit
 from mpengine.server.state import ServerState
 from mpengine.server.text import NO_TEMPLATE, TextTools, load_chat_template
@@ -297,6 +298,7 @@ def _http_server(state: ServerState, args: argparse.Namespace) -> _Server:
             timeout_graceful_shutdown=HTTP_GRACE_S,
             # Past it, a clean 503 at once (and never the open-file limit: see above).
             limit_concurrency=args.max_connections,
+            http=protocol_with_head_timeout(args.http_head_timeout),
         )
     )
 

@@ -8,6 +8,7 @@ test ends. The other ``test_server*``, drain and systemd tests use it.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import select
@@ -179,6 +180,7 @@ def test_a_vllm_deployment_starts_and_logs_its_requests(tmp_path: Path) -> None:
     engine request."""
     flags = ["--log-level", "INFO", "--enable-log-requests", "--trust-remote-code", "-tp", "1"]
     flags += ["--max-model-len", "2k", "--disable-log-stats", "--max-connections", "4"]
+    flags += ["--http-head-timeout", "1"]
     with serving(tmp_path, *flags, env={"VLLM_API_KEY": "from-env"}) as served:
         for key, status in (("wrong", 401), ("from-env", 200)):
             request = urllib.request.Request(
@@ -192,11 +194,29 @@ def test_a_vllm_deployment_starts_and_logs_its_requests(tmp_path: Path) -> None:
             except urllib.error.HTTPError as error:
                 got = error.code
             assert got == status, key
+        # A client sending its request's head a byte at a time is cut off after 1 s; one
+        # that keeps its connection for a second request is served.
+        host, port = served.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as slow:
+            slow.sendall(b"GET /health HTTP/1.1\r\n")
+            start, closed = time.monotonic(), False
+            while not closed and time.monotonic() - start < 10:
+                try:
+                    slow.sendall(b"X")  # a byte of header every 0.2 s, never the end
+                except OSError:
+                    break
+                ready, _, _ = select.select([slow], [], [], 0.2)  # (wakes once it is closed)
+                closed = bool(ready) and slow.recv(1) == b""
+            assert time.monotonic() - start < 5, "a slow request head was not cut off"
+        keep = http.client.HTTPConnection(host, int(port), timeout=30)
+        for _ in range(2):
+            keep.request("GET", "/health")
+            assert keep.getresponse().read() == b'{"status":"ok"}'
+        keep.close()
         # The open-file limit raised to the hard one; past 4 connections a 503 at once.
         limits = Path(f"/proc/{served.proc.pid}/limits").read_text().splitlines()
         soft, hard = next(line for line in limits if line.startswith("Max open files")).split()[3:5]
         assert soft == hard
-        host, port = served.url.removeprefix("http://").rsplit(":", 1)
         idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(3)]
         try:
             with pytest.raises(urllib.error.HTTPError) as refused:
