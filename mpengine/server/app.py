@@ -17,6 +17,7 @@ generation endpoints with 400; one that cannot pool answers embeddings so.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from dataclasses import dataclass
 
@@ -70,7 +71,7 @@ def build_app(state: ServerState, cors: Cors | None = None) -> FastAPI:
     app = FastAPI(title="mpengine", version=__version__, redoc_url=None)
     app.state.server = state
     install_handlers(app)
-    app.add_middleware(BodyLimit, limit=state.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=state.max_body_bytes, timeout=state.body_timeout_s)
     if state.api_key is not None:  # before the body is read: 401 whatever it holds
         app.add_middleware(ApiKey, key=state.api_key)
     if cors is not None:  # a preflight is answered before the key is asked for
@@ -296,11 +297,14 @@ ROUTES = frozenset(
 
 class BodyLimit:
     """Refuse a request body over ``limit`` bytes with 413, before reading it when its
-    Content-Length says so, else as soon as the bytes read pass the limit."""
+    Content-Length says so, else as soon as the bytes read pass the limit; and one that
+    takes over ``timeout`` seconds to arrive with 408 (a client sending a byte now and then
+    held its connection, and its parse, for as long as it liked)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, timeout: float = 60.0) -> None:
         self.app = app
         self.limit = limit
+        self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -312,12 +316,24 @@ class BodyLimit:
             await self._too_large().response()(scope, receive, send)
             return
         received = 0
+        deadline: float | None = None  # from the first read of the body
+        body_done = False
 
         async def counted() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, deadline, body_done
+            if body_done:  # (a disconnect listener: no deadline)
+                return await receive()
+            loop = asyncio.get_running_loop()
+            deadline = deadline or loop.time() + self.timeout
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise HTTPException(
+                    408, f"the request body took over {self.timeout:g} s to arrive"
+                ) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > self.limit:
                     error = self._too_large()
                     raise HTTPException(413, error.message)

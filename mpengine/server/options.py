@@ -68,6 +68,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "arrive (a slow sender holds a connection otherwise; default: 10)",
     )
     group.add_argument(
+        "--http-body-timeout",
+        type=seconds,
+        default=60.0,
+        help="answer 408 to a request whose body takes longer than this to arrive (default: 60)",
+    )
+    group.add_argument(
         "--stream-stall-timeout",
         type=seconds,
         default=10.0,

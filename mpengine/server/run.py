@@ -351,6 +351,7 @@ def _state(engine: Engine, args: argparse.Namespace, api_key: str | None) -> Ser
         access_log=not args.disable_uvicorn_access_log,
         log_requests=args.enable_log_requests,
         stream_stall_s=args.stream_stall_timeout,
+        body_timeout_s=args.http_body_timeout,
     )
 
 

@@ -180,7 +180,7 @@ def test_a_vllm_deployment_starts_and_logs_its_requests(tmp_path: Path) -> None:
     engine request."""
     flags = ["--log-level", "INFO", "--enable-log-requests", "--trust-remote-code", "-tp", "1"]
     flags += ["--max-model-len", "2k", "--disable-log-stats", "--max-connections", "4"]
-    flags += ["--http-head-timeout", "1"]
+    flags += ["--http-head-timeout", "1", "--http-body-timeout", "1"]
     with serving(tmp_path, *flags, env={"VLLM_API_KEY": "from-env"}) as served:
         for key, status in (("wrong", 401), ("from-env", 200)):
             request = urllib.request.Request(
@@ -208,6 +208,13 @@ def test_a_vllm_deployment_starts_and_logs_its_requests(tmp_path: Path) -> None:
                 ready, _, _ = select.select([slow], [], [], 0.2)  # (wakes once it is closed)
                 closed = bool(ready) and slow.recv(1) == b""
             assert time.monotonic() - start < 5, "a slow request head was not cut off"
+        # A body that stops coming: a 408 after 1 s.
+        with socket.create_connection((host, int(port)), timeout=30) as stalled:
+            head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer from-env\r\n"
+            stalled.sendall(f'{head}Content-Length: 100\r\n\r\n{{"prompt"'.encode())
+            start = time.monotonic()
+            assert stalled.recv(4096).startswith(b"HTTP/1.1 408 ")
+            assert time.monotonic() - start < 5
         keep = http.client.HTTPConnection(host, int(port), timeout=30)
         for _ in range(2):
             keep.request("GET", "/health")
