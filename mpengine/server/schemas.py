@@ -15,7 +15,7 @@ import logging
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Strict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from mpengine.protocol import PoolingParams, SamplingParams, lone_surrogate
 
@@ -23,6 +23,11 @@ from mpengine.protocol import PoolingParams, SamplingParams, lone_surrogate
 
 # A token id is a JSON integer: pydantic's lax mode would take true as 1 and 4.0 as 4.
 TokenId = Annotated[int, Strict()]
+# A conversation's bounds, checked while the body is validated (450,000 messages took the
+# event loop ~5 s to validate, then were refused): more than any model's context holds.
+MAX_MESSAGES = 16_384
+MAX_CONTENT_PARTS = 1_024
+Messages = Annotated[list["ChatMessage"], Field(max_length=MAX_MESSAGES)]
 
 
 logger = logging.getLogger(__name__)
@@ -275,7 +280,9 @@ class ChatMessage(RequestModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)] | None = (
+        None
+    )
 
     @model_validator(mode="after")
     def _role_and_content(self) -> ChatMessage:
@@ -287,7 +294,7 @@ class ChatMessage(RequestModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: Messages
     logprobs: bool = False
     top_logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM's; the conversation's tokens
@@ -327,7 +334,7 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
