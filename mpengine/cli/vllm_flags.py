@@ -95,7 +95,11 @@ TABLE: tuple[VllmFlag, ...] = (
     VllmFlag(("--enable-auto-tool-choice",), SWITCH, NO_TOOLS),
     VllmFlag(("--tool-call-parser",), str, NO_TOOLS),
     VllmFlag(("--enable-prompt-tokens-details",), SWITCH, "usage reports no cached tokens"),
-    VllmFlag(("--return-tokens-as-token-ids",), SWITCH, "logprobs name tokens by their text"),
+    VllmFlag(
+        ("--return-tokens-as-token-ids",),
+        SWITCH,
+        "a request asks for it (return_tokens_as_token_ids)",
+    ),
     VllmFlag(("--root-path",), str, "the API is served at /"),
 )
 
@@ -113,7 +117,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         served = ", ".join(map(str, flag.served))
         what = "other values refused" if flag.refused else "no effect"
         help_text = f"{served} as asked; {what}: {flag.why}" if served else f"{what}: {flag.why}"
-        group.add_argument(*flag.names, dest=flag.dest, type=flag.kind, help=help_text)
+        metavar = "N" if flag.kind is int else "VALUE"
+        group.add_argument(
+            *flag.names, dest=flag.dest, type=flag.kind, metavar=metavar, help=help_text
+        )
 
 
 def check(args: argparse.Namespace) -> None:
