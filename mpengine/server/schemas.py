@@ -28,6 +28,16 @@ TokenId = Annotated[int, Strict()]
 MAX_MESSAGES = 16_384
 MAX_CONTENT_PARTS = 1_024
 Messages = Annotated[list["ChatMessage"], Field(max_length=MAX_MESSAGES)]
+# Prompts in one request (each an engine request; the queue holds 4,096 by default), and
+# ids in one (a request frame, 4 MiB by default, holds about a million).
+MAX_PROMPTS = 16_384
+MAX_PROMPT_IDS = 1 << 20
+Prompts = (
+    str
+    | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+    | Annotated[list[TokenId], Field(max_length=MAX_PROMPT_IDS)]
+    | Annotated[list[list[TokenId]], Field(max_length=MAX_PROMPTS)]
+)
 
 
 logger = logging.getLogger(__name__)
@@ -258,7 +268,7 @@ def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Prompts
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -354,7 +364,7 @@ class EmbeddingRequest(RequestModel):
     and ``pooling`` (None: the model's default)."""
 
     model: str | None = None
-    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    input: Prompts
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Strict()] | None = None
     user: str | None = None
