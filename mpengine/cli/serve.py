@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from mpengine.cli import vllm_flags
+import mpengine.cli.vllm_flags as vllm_flags
 from mpengine.cli.args import (
     add_engine_args,
     add_model_arg,

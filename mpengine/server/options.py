@@ -53,6 +53,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         help="unhealthy once the engine has work but finished no step for this long (default: 60)",
     )
+    group.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file")
+    group.add_argument(
+        "--ssl-certfile", default=None, help="serve HTTPS with this certificate file"
+    )
+    _add_limit_args(parser)
+    _add_log_args(parser)
+    _add_cors_args(parser)
+
+
+def _add_limit_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("limits (clients that would hold the server)")
     group.add_argument(
         "--max-connections",
         type=int,
@@ -80,6 +91,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="abort a stream whose client has read nothing for this long: its outputs "
         "would pile up in the server (default: 10)",
     )
+
+
+def _add_log_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("logs")
     group.add_argument(
         "--uvicorn-log-level",
         type=str.lower,
@@ -103,10 +118,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="vLLM's older flag: requests are not logged unless --enable-log-requests",
     )
-    group.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file")
-    group.add_argument(
-        "--ssl-certfile", default=None, help="serve HTTPS with this certificate file"
-    )
+
+
+def _add_cors_args(parser: argparse.ArgumentParser) -> None:
     cors = parser.add_argument_group("CORS (browsers calling the API from another origin)")
     for name, what in (("origins", "origins"), ("methods", "methods"), ("headers", "headers")):
         cors.add_argument(
