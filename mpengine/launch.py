@@ -65,7 +65,7 @@ from mpengine.protocol import (
     control_decoder,
     encoder,
 )
-from mpengine.runtime.engine_file import ENGINE_FILE, write_engine_file
+from mpengine.runtime.engine_file import ENGINE_FILE, RUNTIME_DIR_GLOB, write_engine_file
 from mpengine.runtime.stage import ABORT_SIGNAL, DRAIN_SIGNAL, STOP_SIGNAL
 from shm import Lockstep, Ring, sweep_stale
 from shm.reaper import Leftovers, Reaper, remove_ipc_files
@@ -125,7 +125,7 @@ def sweep_stale_runtime_dirs() -> list[str]:
     here. A dir that cannot be inspected or removed is logged and left: this never raises.
     """
     removed = []
-    for path in Path(tempfile.gettempdir()).glob("mpengine-*-*-*-*"):
+    for path in Path(tempfile.gettempdir()).glob(RUNTIME_DIR_GLOB):
         parts = path.name.split("-")
         if not parts[2].isdigit() or parts[3] != pid_namespace():
             continue

@@ -18,6 +18,8 @@ from pathlib import Path
 from mpengine.envs import write_atomically
 
 ENGINE_FILE = "engine.json"
+# A launcher's runtime directory in the temp dir: mpengine-<engine id>-<pid>-<pid ns>-<random>.
+RUNTIME_DIR_GLOB = "mpengine-*-*-*-*"
 
 
 def write_engine_file(directory: str, record: dict) -> None:
@@ -49,7 +51,7 @@ def address_of_url(url: str) -> str:
     (``http[s]://HOST:PORT``): the engine file of a runtime directory in the temp dir names
     it (a port is one server's on a host). LookupError when no live engine there does."""
     port = urllib.parse.urlsplit(url).port
-    for path in sorted(Path(tempfile.gettempdir()).glob(f"mpengine-*/{ENGINE_FILE}")):
+    for path in sorted(Path(tempfile.gettempdir()).glob(f"{RUNTIME_DIR_GLOB}/{ENGINE_FILE}")):
         record = read_engine_file(str(path.parent)) or {}
         http = record.get("http")
         if http and urllib.parse.urlsplit(http).port == port and _alive(record.get("pid")):

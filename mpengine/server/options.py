@@ -69,7 +69,8 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="HTTP connections served at once; past them a 503 at once (default: 8192, or "
-        "what the open-file limit allows, which serve raises to its hard limit)",
+        "what the open-file limit allows, raised as an engine raises it: to 65,536 within "
+        "the hard limit)",
     )
     group.add_argument(
         "--http-head-timeout",

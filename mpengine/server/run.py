@@ -30,7 +30,7 @@ from collections.abc import Coroutine, Iterator
 import uvicorn
 
 from mpengine.config import EngineConfig
-from mpengine.launch import Engine
+from mpengine.launch import Engine, raise_open_files_limit
 from mpengine.metrics import ServerMetrics
 from mpengine.runtime.engine_file import ipc_dir, read_engine_file, write_engine_file
 from mpengine.runtime.notify import Notifier
@@ -304,15 +304,13 @@ def _http_server(state: ServerState, args: argparse.Namespace) -> _Server:
 
 
 def _connection_limit(asked: int | None) -> int:
-    """Raise the soft limit on open files to the hard one (the usual 1,024 is soon reached
-    by keep-alive clients; at the limit asyncio's accept failed in a loop of tracebacks),
-    and return the connections to serve at once: ``asked``, else what the files allow after
-    a reserve for the engine's own (sockets, shared memory, the model's files)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
+    """Raise the soft limit on open files as an engine does (``raise_open_files_limit``:
+    the usual 1,024 is soon reached by keep-alive clients, and at the limit asyncio's
+    accept failed in a loop of tracebacks), and return the connections to serve at once:
+    ``asked``, else what the files allow after a reserve for the engine's own (sockets,
+    shared memory, the model's files)."""
+    raise_open_files_limit()
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     files = soft if soft != resource.RLIM_INFINITY else 1 << 20
     room = max(16, files - FILES_RESERVED)
     if asked is not None and asked > room:
