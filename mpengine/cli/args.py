@@ -222,7 +222,7 @@ def add_text_command_args(
     add_engine_args(parser, exclude=("address",))
 
 
-def text_command_args(args: argparse.Namespace) -> None:
+def prepare_text_command(args: argparse.Namespace) -> None:
     """Before anything starts: MODEL as ``--model``, quiet logs, and bad sampling flags
     refused."""
     take_model_tag(args)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from mpengine.cli.args import add_text_command_args, command_logging, text_command_args
+from mpengine.cli.args import add_text_command_args, command_logging, prepare_text_command
 from mpengine.cli.remote import HttpClient, engine_client, request_params
 from mpengine.errors import InvalidRequestError, RequestFailedError
 
@@ -208,7 +208,7 @@ class ChatLoop:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    text_command_args(args)
+    prepare_text_command(args)
     if args.n != 1:
         raise SystemExit("mpengine: chat prints one reply: --n must be 1")
     interactive = sys.stdin.isatty()

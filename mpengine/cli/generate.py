@@ -9,7 +9,7 @@ import json
 import sys
 import time
 
-from mpengine.cli.args import add_text_command_args, command_logging, text_command_args
+from mpengine.cli.args import add_text_command_args, command_logging, prepare_text_command
 from mpengine.cli.remote import engine_client, request_params
 
 
@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    text_command_args(args)
+    prepare_text_command(args)
     prompts = args.prompt or ["The quick brown fox"]
     stream = args.stream and len(prompts) == 1 and args.n == 1 and not args.json
     if args.stream and not stream:
