@@ -9,8 +9,8 @@ call: measured 1.3-1.4x faster decode steps for the tiny model, 1.1x for the sma
 (``tools/bench_engine.py``); SmolLM2-135M's decode steps 1.17-1.32x faster with two threads
 (1-64 sequences), and 1.12x the processes runtime's tokens/s in float32 (64 requests of
 mixed lengths, 2 cores). Dynamo guards on torch's thread count: the graphs are compiled
-for each count the thread tuner may pick, so its switching compiles nothing. Its float32
-linear layers always put the weights first (``linear``).
+for each count the thread tuner may pick, so its switching compiles nothing. Its linear
+layers are the packed ones (``linear``), as operators inductor calls as they are.
 
 As with CUDA graphs on a GPU, only pure-decode steps take this path; prefill and mixed
 steps run eagerly. The model is compiled with dynamic shapes at start-up by two warm-up
