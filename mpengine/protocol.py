@@ -109,6 +109,44 @@ EMPTY_IDS = Array("int32", (0,), b"")
 # -- request parameters ------------------------------------------------------------------
 
 
+MAX_GRAMMAR_CHARS = 256 * 1024  # a schema, regex or grammar's text
+MAX_CHOICES = 1024
+
+
+class StructuredOutputs(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown_fields=True):
+    """The text a request must generate (vLLM's ``StructuredOutputsParams``), exactly one of:
+    ``json`` a JSON schema (as JSON text), ``json_object`` any JSON object, ``regex`` a
+    regular expression, ``choice`` one of these strings, ``grammar`` a Lark grammar (a GBNF
+    one, with ``::=``, is converted). ``mpengine.structured`` checks and compiles them."""
+
+    json: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] | None = None
+    json_object: bool = False
+    regex: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] | None = None
+    choice: (
+        Annotated[
+            list[Annotated[str, Meta(max_length=MAX_STOP_STRING_CHARS)]],
+            Meta(min_length=1, max_length=MAX_CHOICES),
+        ]
+        | None
+    ) = None
+    grammar: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice and "
+                f"grammar; got {', '.join(given) or 'none'}"
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknown_fields=True):
     """How to sample one request (the fields and meanings of vLLM's ``SamplingParams``).
 
@@ -162,6 +200,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
     beam_width: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # The format the output must follow (a grammar masks the tokens that would leave it).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # vLLM's spellings: one stop string, top_k=-1 for "off", max_tokens=None for "as
@@ -203,6 +243,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
                 raise ValueError(f"{name} must be finite")
         if 0.0 < self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
+        if self.structured_outputs is not None and (self.ignore_eos or self.min_tokens):
+            # Once the grammar is complete only EOS may follow, which these would forbid.
+            name = "ignore_eos" if self.ignore_eos else "min_tokens"
+            raise ValueError(f"{name} cannot be combined with structured outputs")
         if self.use_beam_search:
             width = self.beam_width or self.n
             if self.n > width:
@@ -215,6 +259,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False, forbid_unknow
                 "prompt_logprobs": self.prompt_logprobs is not None,
                 "penalties": self.has_penalties,
                 "logit_bias": bool(self.logit_bias),
+                "structured_outputs": self.structured_outputs is not None,
             }
             named = [name for name, used in unsupported.items() if used]
             if named:

@@ -24,7 +24,9 @@ named ``RUNTIME@N`` (``processes-depth1@1``) runs with
 N torch threads, so thread counts can be compared in one run; ``RUNTIME:BACKEND``
 (``serial:torch``) with that attention backend, ``RUNTIME+compile`` with compiled decode
 steps (``compile_decode``). ``--busy-neighbours N`` runs the timed rounds beside N
-processes spinning on a core each, as on a shared machine.
+processes spinning on a core each, as on a shared machine. ``--json-schema`` constrains
+every engine request by a JSON schema (an object of one string: a grammar mask at every
+token; an output may end sooner, and tokens/s counts what was generated).
 
     python tools/bench_engine.py --models tiny small --json bench_engine.json
     python tools/bench_engine.py --runtimes serial@2 processes-depth1@1 processes-depth1@2
@@ -34,6 +36,7 @@ processes spinning on a core each, as on a shared machine.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import subprocess
@@ -50,6 +53,7 @@ from mpengine.protocol import (
     SamplingParams,
     StageTimes,
     StepResult,
+    StructuredOutputs,
     encoder,
     feedback_decoder,
     result_decoder,
@@ -69,6 +73,11 @@ ROWS = [*CONFIGS, HF_ROW]
 # --shape: a real model's dimensions with random weights, as a built-in model.
 SHAPES = {"qwen3-0.6b": "qwen3-0.6b-shape"}
 MIXED_LENGTHS = (8, 256)
+# --json-schema: an object of one free string (a grammar mask at every token: in a JSON
+# string every token is allowed but those that would break it, the costliest masks).
+STRING_SCHEMA = json.dumps(
+    {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+)
 
 # The breakdown table: column title, figure (see timing.breakdown), format.
 BREAKDOWN_COLUMNS = [
@@ -78,6 +87,7 @@ BREAKDOWN_COLUMNS = [
     ("exec", "executor.busy_ms", ".2f"),
     ("prep", "executor.prepare_ms", ".2f"),
     ("fwd", "executor.forward_ms", ".2f"),
+    ("grammar", "executor.grammar_ms", ".3f"),
     ("sample", "executor.sample_ms", ".2f"),
     ("copy", "executor.copy_ms", ".3f"),
     ("output", "output.busy_ms", ".2f"),
@@ -180,13 +190,15 @@ class EngineRow:
         self.run(work)
 
     def run(self, work: Workload, lengths: list[int] | None = None) -> int:
+        structured = StructuredOutputs(json=STRING_SCHEMA) if self.args.json_schema else None
         params = [
             SamplingParams(
                 max_tokens=n,
                 temperature=0.0,
-                ignore_eos=True,
+                ignore_eos=structured is None,  # (refused with a schema: it may end sooner)
                 logprobs=self.args.logprobs,
                 stop=self.args.stop,
+                structured_outputs=structured,
             )
             for n in lengths or work.lengths
         ]
@@ -284,6 +296,7 @@ def run_model(model: str, args: argparse.Namespace, report: Report) -> list[dict
     rows: dict[str, EngineRow | HFRow] = {}
     neighbours: list[subprocess.Popen] = []
     times: dict[str, list[float]] = {}
+    generated: dict[str, list[int]] = {}  # tokens per round (fewer with --json-schema)
     figures: dict[str, list[dict[str, float]]] = {}
 
     def results() -> list[dict]:
@@ -292,6 +305,7 @@ def run_model(model: str, args: argparse.Namespace, report: Report) -> list[dict
             if not times.get(name):
                 continue
             median = statistics.median(times[name])
+            rates = [n / t for n, t in zip(generated[name], times[name], strict=True)]
             out.append(
                 {
                     "model": model,
@@ -299,7 +313,7 @@ def run_model(model: str, args: argparse.Namespace, report: Report) -> list[dict
                     "num_threads": row.num_threads,
                     "seconds": times[name],
                     "median_seconds": median,
-                    "tokens_per_s": rounds[0].num_tokens / median,
+                    "tokens_per_s": statistics.median(rates),
                     "breakdown": medians(figures[name]),
                     "engine": row.record,
                 }
@@ -321,6 +335,7 @@ def run_model(model: str, args: argparse.Namespace, report: Report) -> list[dict
             if base == HF_ROW:
                 rows[name] = HFRow(model, device, dtype, threads or args.num_threads)
         times.update({name: [] for name in rows})
+        generated.update({name: [] for name in rows})
         figures.update({name: [] for name in rows})
         warm_up = workload(model, args, "Warm-up")
         for name, row in rows.items():  # a whole round each, untimed
@@ -334,7 +349,8 @@ def run_model(model: str, args: argparse.Namespace, report: Report) -> list[dict
                 start = time.perf_counter()
                 num_tokens = row.run(work)
                 times[name].append(time.perf_counter() - start)
-                assert num_tokens == work.num_tokens, (
+                generated[name].append(num_tokens)
+                assert num_tokens == work.num_tokens or args.json_schema, (
                     "a stop string matched: every run must generate the same number of tokens"
                 )
                 if isinstance(row, EngineRow):
@@ -342,7 +358,7 @@ def run_model(model: str, args: argparse.Namespace, report: Report) -> list[dict
                     figures[name].append(
                         {"steps": totals["executor"].steps, **flatten(breakdown(totals))}
                     )
-                tokens_per_s = work.num_tokens / times[name][-1]
+                tokens_per_s = num_tokens / times[name][-1]
                 print(f"  {model}: round {index} {name} {tokens_per_s:.1f} tok/s", flush=True)
             report.update(partial=results())
     finally:
@@ -500,6 +516,12 @@ def main() -> None:
         action="append",
         default=[],
         help="a stop string that never matches (output-processing heavy; engines only)",
+    )
+    parser.add_argument(
+        "--json-schema",
+        action="store_true",
+        help="every request constrained by a JSON schema (an object of one string: a grammar "
+        "mask at every token; engines only; an output may end before --max-tokens)",
     )
     parser.add_argument(
         "--num-threads",

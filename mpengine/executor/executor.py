@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -52,6 +53,7 @@ from mpengine.protocol import (
     StepPlan,
     StepResult,
 )
+from mpengine.structured.matchers import GrammarMatchers, Masks
 
 if TYPE_CHECKING:
     from mpengine.executor.cuda_graphs import DecodeGraphs
@@ -105,7 +107,7 @@ class Executor:
         self.model = self.loaded.model
         self.device = self.loaded.device
         if self.device.type == "cpu":
-            linear.install(self.model)  # decode steps' few rows: W @ x^T (see linear.py)
+            linear.install(self.model)  # weights prepacked by oneDNN (see linear.py)
         spec = kv_cache_spec(self.loaded, config.block_size)
         self.backend: Backend = choose_backend(
             attention_backend,
@@ -129,6 +131,13 @@ class Executor:
             self.slots, self.device, config.block_size, self.backend, self.kv_caches
         )
         self.sampler = Sampler(self.device, config.seed)
+        self.grammars = GrammarMatchers(
+            config.tokenizer or self.loaded.path,
+            self.loaded.vocab_size,
+            self.loaded.eos_token_ids,
+            overlap=_spare_cores(config) > 0,
+        )
+        self._masks: Masks | None = None  # the step's grammar masks (structured outputs)
         # The last hidden state of the step being run, kept by a hook on the base model
         # while a step pools (a causal LM's forward returns only logits).
         self._hidden: torch.Tensor | None = None
@@ -270,8 +279,11 @@ class Executor:
                 failures.setdefault(seq_id, message)
             result = _empty_result(plan.step)
         finally:
-            for key in plan.released_requests.numpy().tolist():
+            self._masks = None
+            released = plan.released_requests.numpy().tolist()
+            for key in released:
                 self.requests.pop(key, None)
+            self.grammars.release(released)
         if failures:
             self.slots.poison(list(failures))
             result.failed_seq_ids = Array.of(list(failures), "int64")
@@ -304,11 +316,16 @@ class Executor:
         sampling = np.flatnonzero(rows.sample & (pool_kinds < 0))
         prompt_chunks = self._prompt_logprob_chunks(rows)
         inputs = self._prepare(rows, sampling, prompt_chunks)
+        self._masks = self._fill_masks(rows, sampling)
 
-        # 4. forward, into blocks zeroed where it writes their first row
+        # 4. forward, into blocks zeroed where it writes their first row (while a worker
+        # thread fills the grammar masks of the constrained rows; "grammar": what is left)
         self.marks.append(("forward", time.perf_counter()))
         pools = bool((pool_kinds >= 0).any())
         logits, hidden = self._forward(inputs, pools) if inputs is not None else (None, None)
+        if self._masks is not None:
+            self.marks.append(("grammar", time.perf_counter()))
+            self._masks.wait()
 
         # 5. sample, then wait for the ids on the host ("copy": from sampling launched to the
         # ids on the host); remember each sampled token for the slot's next decode
@@ -373,6 +390,7 @@ class Executor:
             started.append(seq.slot)
             try:
                 self.slots.start(seq, self.requests[seq.request])
+                self.grammars.start(seq.seq_id, self.requests[seq.request])
             except Exception as exc:
                 logger.warning("seq %d cannot start: %r", seq.seq_id, exc)
                 failures[seq.seq_id] = f"{type(exc).__name__}: {exc}"
@@ -427,17 +445,26 @@ class Executor:
         return keep
 
     def _record_tokens(self, rows: StepRows) -> None:
-        """Remember the tokens of sequences with penalties (the only readers), their ``-1``
-        tokens filled in from the slots' last sampled tokens (``rows`` keeps its ``-1``s:
-        the device fills them from its own copy)."""
+        """Remember the tokens of sequences with penalties or a grammar (the only readers),
+        their ``-1`` tokens filled in from the slots' last sampled tokens (``rows`` keeps its
+        ``-1``s: the device fills them from its own copy)."""
         token_slots = rows.token_slots()
-        keep = self.slots.has_penalties[token_slots]
+        keep = self.slots.keeps_history[token_slots]
         if not keep.any():
             return
         positions = rows.positions()
         token_ids = rows.token_ids
         resolved = np.where(token_ids < 0, self.slots.last_token[token_slots], token_ids)
         self.slots.record(token_slots[keep], positions[keep], resolved[keep])
+
+    def _fill_masks(self, rows: StepRows, sampling: np.ndarray) -> Masks | None:
+        """Start filling the grammar masks of the ``sampling`` rows that have one."""
+        slots = rows.slots[sampling]
+        num_prompt = self.slots.num_prompt[slots]
+        contexts = rows.starts[sampling] + rows.num_tokens[sampling]
+        return self.grammars.fill(
+            rows.seq_ids[sampling], slots, num_prompt, contexts - num_prompt, self.slots.history
+        )
 
     def _prompt_logprob_chunks(self, rows: StepRows) -> list[PromptChunk]:
         """The rows that compute prompt positions of sequences asking for prompt logprobs.
@@ -565,7 +592,7 @@ class Executor:
         for row in range(len(slots)):
             one = slice(row, row + 1)
             try:
-                self._sample_rows(logits[one], slots[one], contexts[one]).wait()
+                self._sample_rows(logits[one], slots[one], contexts[one], row=row).wait()
             except Exception as row_exc:
                 if device_lost(row_exc):
                     raise
@@ -575,8 +602,9 @@ class Executor:
             ok[:] = False
         if not ok.any():
             return ok, error, None
-        good = torch.from_numpy(np.flatnonzero(ok)).to(logits.device)
-        return ok, error, self._sample_rows(logits[good], slots[ok], contexts[ok])
+        good_rows = np.flatnonzero(ok)
+        good = torch.from_numpy(good_rows).to(logits.device)
+        return ok, error, self._sample_rows(logits[good], slots[ok], contexts[ok], rows=good_rows)
 
     def _sample_rows(
         self,
@@ -584,10 +612,19 @@ class Executor:
         slots: np.ndarray,
         contexts: np.ndarray,
         device_slots: torch.Tensor | None = None,
+        row: int | None = None,
+        rows: np.ndarray | None = None,
     ) -> PendingSample:
-        rows = self.slots.sampling_rows(slots, contexts)
+        """Launch the sampling of the step's sampling rows ``rows`` (all of them by default;
+        ``row``: that one alone)."""
+        sampling = self.slots.sampling_rows(slots, contexts)
+        if self._masks is not None:
+            if row is not None:
+                rows = np.array([row])
+            rows = np.arange(len(slots)) if rows is None else rows
+            sampling.allowed_rows, sampling.allowed = self._masks.select(rows)
         params = self.batch.sampling_params_of(slots if device_slots is None else device_slots)
-        return self.sampler.sample_async(logits, rows, params)
+        return self.sampler.sample_async(logits, sampling, params)
 
     def _collect(
         self, pending: PendingSample, result: StepResult, slots: np.ndarray, synced: bool
@@ -669,6 +706,11 @@ class Executor:
         dims = self.slots.pool_dims[slots]
         dims = np.where(dims > 0, dims, vectors.shape[1])
         return Array.of(finalize(vectors, self.slots.pool_normalize[slots], dims), "float32")
+
+
+def _spare_cores(config: EngineConfig) -> int:
+    """Cores left beside the executor's torch threads and the two other stages' processes."""
+    return len(os.sched_getaffinity(0)) - config.max_threads - 2
 
 
 def _check_encoder_budget(config: EngineConfig, loaded: LoadedModel) -> None:

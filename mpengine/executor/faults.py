@@ -78,7 +78,9 @@ class FaultyExecutor(Executor):
         if self._step in self.fault_steps:
             raise InjectedFault(f"injected failure of step {self._step} (MPENGINE_FAULT_STEPS)")
 
-    def _sample_rows(self, logits: torch.Tensor, slots: np.ndarray, *rest: Any) -> PendingSample:
+    def _sample_rows(
+        self, logits: torch.Tensor, slots: np.ndarray, *rest: Any, **kwargs: Any
+    ) -> PendingSample:
         if not self.fault_seqs.isdisjoint(self.slots.seq_id[slots].tolist()):
             raise InjectedFault("injected sampling failure (MPENGINE_FAULT_SEQS)")
-        return super()._sample_rows(logits, slots, *rest)
+        return super()._sample_rows(logits, slots, *rest, **kwargs)

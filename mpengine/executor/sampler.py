@@ -1,11 +1,11 @@
 """Token sampling over a batch of logits rows, vectorised across rows.
 
 Order of operations (vLLM's): logprobs are taken from the raw logits; then logit biases,
-penalties, ``min_tokens`` suppression, greedy argmax (temperature 0), temperature, min-p,
-top-k, top-p, and a draw. The draw is an exponential race, ``argmax(probs / q)`` with
-``q ~ Exp(1)`` per token, which picks token ``i`` with probability ``probs[i]``; a seeded
-row takes its noise from a generator seeded with that row's own draw seed, so its token
-depends on nothing else in the batch.
+penalties, ``min_tokens`` suppression, grammar masks, greedy argmax (temperature 0),
+temperature, min-p, top-k, top-p, and a draw. The draw is an exponential race,
+``argmax(probs / q)`` with ``q ~ Exp(1)`` per token, which picks token ``i`` with
+probability ``probs[i]``; a seeded row takes its noise from a generator seeded with that
+row's own draw seed, so its token depends on nothing else in the batch.
 
 A batch that is all greedy, without penalties or bans, takes the fast path: one argmax of
 the logits as they come (no float copy, no noise). On a GPU the sampled ids (and
@@ -33,7 +33,8 @@ class SamplingRows:
     known tokens padded with -1, ``penalty_is_output[k]`` marks the generated ones.
     ``banned_rows``/``banned_ids`` are (row, token) pairs to suppress (``min_tokens``);
     ``bias_rows``/``bias_ids``/``bias_values`` are (row, token, bias) triples to add to the
-    logits (``logit_bias``).
+    logits (``logit_bias``). ``allowed[k]`` marks the tokens row ``allowed_rows[k]`` may
+    draw (structured outputs' grammar masks); every other token is excluded.
     """
 
     temperature: np.ndarray  # float32
@@ -54,6 +55,8 @@ class SamplingRows:
     bias_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     bias_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     bias_values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    allowed_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    allowed: torch.Tensor | None = None  # bool [len(allowed_rows), vocab], on the host
 
     def __post_init__(self) -> None:
         assert self.penalty_tokens.shape == self.penalty_is_output.shape
@@ -168,7 +171,12 @@ class Sampler:
         there); packed from ``rows`` and copied when None."""
         logprob_rows = np.flatnonzero(rows.logprobs >= 0).astype(np.int32)
         greedy = rows.temperature == 0.0
-        changed = len(rows.penalty_rows) or len(rows.banned_rows) or len(rows.bias_rows)
+        changed = (
+            len(rows.penalty_rows)
+            or len(rows.banned_rows)
+            or len(rows.bias_rows)
+            or len(rows.allowed_rows)
+        )
         if greedy.all() and not changed:
             raw = logits  # the fast path: argmax of the logits as they are (no float copy)
             tokens = argmax_rows(logits)
@@ -185,6 +193,12 @@ class Sampler:
                 x[
                     _tensor(rows.banned_rows, self.device), _tensor(rows.banned_ids, self.device)
                 ] = -float("inf")
+            if len(rows.allowed_rows):
+                assert rows.allowed is not None
+                x = x.clone() if x is raw else x
+                index = _tensor(rows.allowed_rows, self.device)
+                allowed = rows.allowed.to(self.device, non_blocking=True)
+                x[index] = x[index].masked_fill_(~allowed, -float("inf"))
             tokens = argmax_rows(x) if greedy.all() else self._draw(x, rows, greedy, params)
         tokens = tokens.to(torch.int32)
         tensors = [tokens]

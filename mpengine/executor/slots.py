@@ -20,8 +20,9 @@ _NO_BIAS = np.zeros(0, np.float32)
 class SlotState:
     """Sequence identity, sampling parameters, block table and token state per slot.
 
-    ``history[slot, pos]`` keeps the tokens of sequences with penalties (the only users),
-    written as the tokens are computed; a recomputed sequence rewrites the same positions.
+    ``history[slot, pos]`` keeps the tokens of sequences with penalties or a grammar (the
+    only readers), written as the tokens are computed; a recomputed sequence rewrites the
+    same positions.
     """
 
     def __init__(
@@ -48,6 +49,7 @@ class SlotState:
         self.presence_penalty = np.zeros(num_slots, np.float32)
         self.frequency_penalty = np.zeros(num_slots, np.float32)
         self.has_penalties = np.zeros(num_slots, bool)
+        self.keeps_history = np.zeros(num_slots, bool)  # penalties or structured outputs
         self.seeded = np.zeros(num_slots, bool)
         self.seed = np.zeros(num_slots, np.int64)
         self.min_tokens = np.zeros(num_slots, np.int64)
@@ -88,7 +90,7 @@ class SlotState:
             self.pool_kind[s] = KINDS[pooling.pooling]
             self.pool_normalize[s] = pooling.normalize
             self.pool_dims[s] = pooling.dimensions or 0
-            self.has_penalties[s] = self.has_bias[s] = False
+            self.has_penalties[s] = self.has_bias[s] = self.keeps_history[s] = False
             self.logprobs[s] = self.prompt_logprobs[s] = -1
             self.prompt_token_ids[s] = None
             self.seq_id[s] = seq.seq_id
@@ -109,6 +111,7 @@ class SlotState:
             self.temperature[s], p.min_p, p.top_p, self.top_k[s], self.vocab_size
         )
         self.has_penalties[s] = p.has_penalties
+        self.keeps_history[s] = p.has_penalties or p.structured_outputs is not None
         self.seeded[s] = p.seed is not None
         self.seed[s] = 0 if p.seed is None else p.seed  # negative ones wrap in draw_seed
         self.min_tokens[s] = p.min_tokens
@@ -139,8 +142,8 @@ class SlotState:
         self.seq_id[np.isin(self.seq_id, seq_ids)] = -1
 
     def record(self, token_slots: np.ndarray, positions: np.ndarray, token_ids: np.ndarray) -> None:
-        """Remember the step's tokens of penalised sequences."""
-        keep = self.has_penalties[token_slots]
+        """Remember the step's tokens of sequences that keep their history."""
+        keep = self.keeps_history[token_slots]
         if keep.any():
             self.history[token_slots[keep], positions[keep]] = token_ids[keep]
 

@@ -22,6 +22,7 @@ from mpengine.protocol import (
 )
 from mpengine.scheduler.beams import beam_stop_ids
 from mpengine.scheduler.request import Request, Sequence
+from mpengine.structured import grammars
 
 
 class RequestRejected(ValueError):
@@ -248,6 +249,11 @@ class AdmissionRules:
                     )
         if sampling.use_beam_search:
             self._check_beams(sampling)
+        if sampling.structured_outputs is not None:
+            try:
+                grammars.check(sampling.structured_outputs)
+            except grammars.InvalidGrammar as exc:
+                raise RequestRejected(str(exc)) from None
         if sampling.num_samples > self.max_num_seqs:
             if sampling.use_beam_search:
                 field = "beam_width" if sampling.beam_width else "n"

@@ -18,6 +18,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from mpengine.protocol import PoolingParams, SamplingParams, lone_surrogate
+from mpengine.server.structured import GUIDED_FIELDS, structured_outputs
 
 # -- requests --------------------------------------------------------------------------------
 
@@ -131,15 +132,6 @@ class StreamOptions(RequestModel):
         return self.include_usage and self.continuous_usage_stats
 
 
-STRUCTURED_FIELDS = (
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
-
-
 class SamplingFields(RequestModel):
     """Parameters completions and chat completions share."""
 
@@ -172,8 +164,8 @@ class SamplingFields(RequestModel):
     early_stopping: bool | Literal["never"] = False
     truncate_prompt_tokens: int | None = None
     priority: int = 0  # vLLM's: lower runs first (--scheduling-policy priority)
-    # Constrained outputs, refused (``misuse``): ignoring them would return text that does
-    # not follow the format asked for. OpenAI's ``response_format``, vLLM's fields.
+    # Structured outputs (``server/structured.py``): OpenAI's ``response_format``, vLLM's
+    # fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
@@ -194,15 +186,15 @@ class SamplingFields(RequestModel):
         """(message, field) of options that only make sense with others, as vLLM refuses them."""
         if self.stream_options is not None and not self.stream:
             return "stream_options can only be given with stream: true", "stream_options"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format: only the text format is supported", "response_format"
-        for name in STRUCTURED_FIELDS:
-            if getattr(self, name) is not None:
-                return "structured outputs (guided decoding) are not supported", name
         for name in ("allowed_token_ids", "bad_words"):
             if getattr(self, name):  # (empty: no constraint)
                 return f"{name} is not supported (logit_bias can ban or favour tokens)", name
         return None
+
+    def structured_outputs_asked(self) -> dict[str, Any] | None:
+        """The engine's structured outputs of this request (see ``server/structured.py``)."""
+        guided = {name: getattr(self, name) for name in GUIDED_FIELDS}
+        return structured_outputs(self.response_format, self.structured_outputs, guided)
 
     def sampling_params(
         self,
@@ -230,6 +222,7 @@ class SamplingFields(RequestModel):
             "best_of": best_of,
             "logit_bias": _token_keys(self.logit_bias),
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "structured_outputs": self.structured_outputs_asked(),
         }
         if self.use_beam_search:
             fields.update(

@@ -420,23 +420,50 @@ def test_null_means_the_default() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"guided_json": {"type": "object"}}, "guided_json"),
-        ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
-        ({"guided_choice": ["a"]}, "guided_choice"),
         ({"allowed_token_ids": [5, 6, 7]}, "allowed_token_ids"),
         ({"bad_words": [" shipped"]}, "bad_words"),
     ],
 )
-def test_constrained_outputs_are_refused_by_both_endpoints(fields: dict, param: str) -> None:
-    """Ignored before by completions: text that does not follow the format, with a 200."""
+def test_token_constraints_are_refused_by_both_endpoints(fields: dict, param: str) -> None:
+    """Ignored before by completions: the tokens they exclude would come back, with a 200."""
     completion = CompletionRequest(prompt="x", **fields)
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields)
     for body in (completion, chat):
         message, field = body.misuse()
         assert field == param and "supported" in message
-    assert CompletionRequest(prompt="x", response_format={"type": "text"}).misuse() is None
     assert CompletionRequest(prompt="x", allowed_token_ids=[], bad_words=[]).misuse() is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "engine"),
+    [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+            {"json": '{"type": "x"}'},
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
+            {"json_object": True},
+        ),
+        ({"guided_json": '{"type": "object"}'}, {"json": '{"type": "object"}'}),
+        ({"guided_choice": ["a", "b"]}, {"choice": ["a", "b"]}),
+        ({"guided_grammar": "start: /a/"}, {"grammar": "start: /a/"}),
+        ({"structured_outputs": {"regex": "a+", "json": None}}, {"regex": "a+"}),
+    ],
+)
+def test_structured_output_fields_map_to_the_engines(fields: dict, engine: dict | None) -> None:
+    """OpenAI's and vLLM's spellings become one StructuredOutputs, on both endpoints (the
+    scheduler checks the grammar itself: tests/e2e/test_structured_outputs.py)."""
+    for body in (
+        CompletionRequest(prompt="x", **fields),
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields),
+    ):
+        assert body.structured_outputs_asked() == engine
+        params = body.sampling_params(max_tokens=4, logprobs=None)
+        got = params.structured_outputs
+        assert (got is None) == (engine is None)
 
 
 def test_tools_are_rendered_with_tool_choice_none_only() -> None:
