@@ -21,7 +21,13 @@ from mpengine.errors import (
     RequestFailedError,
 )
 from mpengine.launch import Engine, launch
-from mpengine.protocol import EngineInfo, EngineStats, PoolingParams, SamplingParams
+from mpengine.protocol import (
+    EngineInfo,
+    EngineStats,
+    PoolingParams,
+    SamplingParams,
+    StructuredOutputs,
+)
 
 __all__ = [
     "AsyncClient",
@@ -42,6 +48,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputs",
     "__version__",
     "launch",
 ]

@@ -15,7 +15,7 @@ from mpengine.cli.args import (
     running_engine,
     take_model_tag,
 )
-from mpengine.server.options import add_serve_args
+from mpengine.server.options import add_serve_args, check_serve_args
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     take_model_tag(args)
     vllm_flags.check(args)
+    check_serve_args(args)
     return serve(args, config_from_args(args))
 
 

@@ -38,7 +38,6 @@ class VllmFlag:
 
 ONE_EXECUTOR = "this engine runs one executor on one device"
 OFFLINE = "models load offline, as they are on disk"
-NO_TOOLS = "tool calling is not supported yet: requests with tools get a 400"
 
 TABLE: tuple[VllmFlag, ...] = (
     VllmFlag(("--tensor-parallel-size", "-tp"), int, ONE_EXECUTOR, served=(1,), refused=True),
@@ -92,8 +91,6 @@ TABLE: tuple[VllmFlag, ...] = (
     VllmFlag(("--max-parallel-loading-workers",), int, "a model loads in one process"),
     VllmFlag(("--enable-sleep-mode",), SWITCH, "the engine does not sleep"),
     VllmFlag(("--reasoning-parser",), str, "reasoning text stays in the message's content"),
-    VllmFlag(("--enable-auto-tool-choice",), SWITCH, NO_TOOLS),
-    VllmFlag(("--tool-call-parser",), str, NO_TOOLS),
     VllmFlag(("--enable-prompt-tokens-details",), SWITCH, "usage reports no cached tokens"),
     VllmFlag(
         ("--return-tokens-as-token-ids",),

@@ -31,12 +31,21 @@ from mpengine.server.schemas import (
     ChatCompletionRequest,
     ChatDelta,
     ChatLogprobs,
+    FunctionCall,
     TokenizeRequest,
+    ToolCallOut,
     Usage,
 )
 from mpengine.server.sse import DONE, event, stream_response
 from mpengine.server.state import ServerState
 from mpengine.server.text import message_dicts
+from mpengine.server.tool_calls import (
+    ToolChoiceError,
+    ToolPlan,
+    ToolStream,
+    plan_tools,
+    with_tools,
+)
 
 
 def tokenize_chat(body: TokenizeRequest) -> ChatCompletionRequest:
@@ -92,6 +101,10 @@ async def create_chat_completion(
         raise bad_request("messages is empty: give at least one message", "messages")
     if misuse := body.misuse():
         raise bad_request(*misuse)
+    try:
+        tools = plan_tools(body.tools, body.tool_choice, state.tool_parser)
+    except ToolChoiceError as exc:
+        raise bad_request(str(exc), exc.field) from None
     (prompt,) = state.truncate([await chat_prompt(state, body)], body.truncate_prompt_tokens)
     if len(prompt) >= state.info.max_model_len:
         raise bad_request(
@@ -110,18 +123,23 @@ async def create_chat_completion(
         state.check_context([prompt], max_tokens, param)
     num_top = body.top_logprobs or 0
     try:
-        params = body.sampling_params(
-            max_tokens,
-            num_top if body.logprobs else None,
-            body.prompt_logprobs,
-            defaults=state.info.sampling_defaults,
+        params = with_tools(
+            body.sampling_params(
+                max_tokens,
+                num_top if body.logprobs else None,
+                body.prompt_logprobs,
+                defaults=state.info.sampling_defaults,
+            ),
+            tools,
         )
+    except ToolChoiceError as exc:
+        raise bad_request(str(exc), exc.field) from None
     except (msgspec.ValidationError, ValueError) as exc:
         names = {"logprobs": "top_logprobs", "max_tokens": param, **body.engine_names()}
         raise invalid_value(exc, names) from None
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = Generation(state, [prompt], params, request_id, body.priority)
-    view = _View(state, body, model, request_id, prompt, num_top)
+    view = _View(state, body, model, request_id, prompt, num_top, tools)
     if body.stream:
         return await stream_response(request, generation, view.stream(generation))
     results = await until_disconnected(request, generation.collect())
@@ -137,8 +155,10 @@ class _View:
         request_id: str,
         prompt: list[int],
         num_top: int,
+        tools: ToolPlan,
     ) -> None:
         self.state = state
+        self.tools = tools
         self.body = body
         self.model = model
         self.id = request_id
@@ -167,17 +187,24 @@ class _View:
 
     def whole(self, result: PromptResult) -> ChatCompletion:
         ids = self.body.return_token_ids
-        choices = [
-            ChatChoice(
-                index,
-                AssistantMessage(self.echoed + sample.text, self.role),
-                self._logprobs(sample.token_ids, sample.logprobs),
-                sample.finish_reason,
-                sample.stop_reason,
-                sample.token_ids if ids else None,
+        choices = []
+        for index, sample in enumerate(result.samples):
+            content, calls = self.tools.read(sample.text)
+            message = AssistantMessage(
+                self.echoed + content if content is not None else self.echoed or None,
+                self.role,
+                [ToolCallOut(c.id, FunctionCall(c.name, c.arguments)) for c in calls],
             )
-            for index, sample in enumerate(result.samples)
-        ]
+            choices.append(
+                ChatChoice(
+                    index,
+                    message,
+                    self._logprobs(sample.token_ids, sample.logprobs),
+                    self.tools.finish_reason(sample.finish_reason, bool(calls)),
+                    sample.stop_reason,
+                    sample.token_ids if ids else None,
+                )
+            )
         num_generated = sum(len(sample.token_ids) for sample in result.samples)
         return ChatCompletion(
             self.id,
@@ -197,6 +224,15 @@ class _View:
             ),
         )
 
+    @staticmethod
+    def _tool_delta(stream: ToolStream, text: str, last: bool) -> ChatDelta:
+        content, deltas = stream.feed(text)
+        if last:
+            rest, more = stream.finish()
+            content = (content or "") + (rest or "") or None
+            deltas += more
+        return ChatDelta(content=content, tool_calls=deltas or None)
+
     def _chunk(self, choices: list[ChatChunkChoice], **extra: object) -> bytes:
         return event(ChatCompletionChunk(self.id, self.created, self.model, choices, **extra))
 
@@ -209,6 +245,7 @@ class _View:
 
         async def chunks(first: tuple[int, RequestOutput]) -> AsyncIterator[bytes]:
             generated: dict[int, int] = {}  # choice index -> tokens so far
+            calls: dict[int, ToolStream] = {}  # choice index -> its tool calls so far
             num_generated = 0
             item: tuple[int, RequestOutput] | None = first
             while item is not None:
@@ -222,11 +259,18 @@ class _View:
                     prompt_ids = self.prompt if ids and index == 0 else None
                     usage = self._usage(0) if continuous else None
                     yield self._chunk([role], prompt_token_ids=prompt_ids, usage=usage)
+                finish_reason = sample.finish_reason
+                if self.tools.calls:
+                    stream = calls.setdefault(index, ToolStream(self.tools))
+                    delta = self._tool_delta(stream, sample.text, finish_reason is not None)
+                    finish_reason = self.tools.finish_reason(finish_reason, stream.called)
+                else:
+                    delta = ChatDelta(content=sample.text)
                 choice = ChatChunkChoice(
                     index,
-                    ChatDelta(content=sample.text),
+                    delta,
                     self._logprobs(sample.token_ids, sample.logprobs),
-                    sample.finish_reason,
+                    finish_reason,
                     sample.stop_reason,
                     sample.token_ids if ids else None,
                 )

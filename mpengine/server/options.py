@@ -7,6 +7,8 @@ import argparse
 import json
 import math
 
+from mpengine.server.tool_parsers import PARSERS
+
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("HTTP")
@@ -57,9 +59,36 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ssl-certfile", default=None, help="serve HTTPS with this certificate file"
     )
+    _add_tool_args(parser)
     _add_limit_args(parser)
     _add_log_args(parser)
     _add_cors_args(parser)
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Refuse flag combinations that cannot work, before anything loads."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit(
+            "mpengine: --enable-auto-tool-choice needs --tool-call-parser NAME "
+            f"({', '.join(PARSERS)}): the format the model writes its calls in"
+        )
+
+
+def _add_tool_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tool calling (tool_choice 'auto')")
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let the model decide to call tools (tool_choice 'auto', the default with "
+        "tools); its calls are read from its output by --tool-call-parser",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=list(PARSERS),
+        default=None,
+        help="the model's tool-call format: hermes (<tool_call> JSON, Qwen), llama3_json, "
+        "mistral ([TOOL_CALLS])",
+    )
 
 
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:

@@ -348,6 +348,7 @@ def _state(engine: Engine, args: argparse.Namespace, api_key: str | None) -> Ser
         api_key,
         access_log=not args.disable_uvicorn_access_log,
         log_requests=args.enable_log_requests,
+        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         stream_stall_s=args.stream_stall_timeout,
         body_timeout_s=args.http_body_timeout,
     )

@@ -315,18 +315,6 @@ class ChatCompletionRequest(SamplingFields):
     def misuse(self) -> tuple[str, str] | None:
         if self.chat_template is not None:
             return CHAT_TEMPLATE_REFUSED, "chat_template"
-        if self.tool_choice not in (None, "none"):
-            return (
-                f"tool_choice {self.tool_choice!r} needs a tool-call parser, which this server "
-                "has not: tool_choice 'none' renders the tools into the prompt only",
-                "tool_choice",
-            )
-        if self.tools and self.tool_choice is None:  # OpenAI's default with tools is "auto"
-            return (
-                "tools without tool_choice mean 'auto', which needs a tool-call parser this "
-                "server has not: give tool_choice 'none' to render the tools into the prompt",
-                "tool_choice",
-            )
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs: true", "top_logprobs"
         if self.stream and self.prompt_logprobs is not None:
@@ -447,9 +435,21 @@ class ChatLogprobs(msgspec.Struct):
     content: list[TokenLogprob]
 
 
-class AssistantMessage(msgspec.Struct):
-    content: str
-    role: str = "assistant"
+class FunctionCall(msgspec.Struct, **_OUT):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class AssistantMessage(msgspec.Struct, **_OUT):
+    content: str | None  # null where the reply is only tool calls
+    role: str
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatChoice(msgspec.Struct, **_OUT):
@@ -471,9 +471,17 @@ class ChatCompletion(msgspec.Struct, tag_field="object", tag="chat.completion", 
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's
 
 
+class ToolCallDelta(msgspec.Struct, **_OUT):
+    index: int
+    function: FunctionCall
+    id: str | None = None
+    type: str | None = None
+
+
 class ChatDelta(msgspec.Struct, **_OUT):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, **_OUT):

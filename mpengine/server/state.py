@@ -26,6 +26,7 @@ class ServerState:
     api_key: str | None = None
     access_log: bool = True  # an access line per HTTP request (request_logs.AccessLog)
     log_requests: bool = False  # a line per engine request (--enable-log-requests)
+    tool_parser: str | None = None  # tool_choice "auto" (--enable-auto-tool-choice)
     body_timeout_s: float = 60.0  # a request body must arrive within this
     stream_stall_s: float = 10.0  # a stream whose client reads nothing this long is aborted
     draining: bool = False  # new requests get 503; set by the drain at shutdown

@@ -466,20 +466,20 @@ def test_structured_output_fields_map_to_the_engines(fields: dict, engine: dict 
         assert (got is None) == (engine is None)
 
 
-def test_tools_are_rendered_with_tool_choice_none_only() -> None:
-    """No tool-call parser: tool_choice 'auto' (OpenAI's default with tools), 'required' or
-    a named function are refused; with 'none' the tools reach the template, as in vLLM (they
-    were refused then too)."""
+def test_tool_choices_are_planned_not_refused() -> None:
+    """Every tool_choice is served (tests/unit/test_tool_parsers.py); 'auto' needs the
+    server's --enable-auto-tool-choice, which the plan says (not misuse)."""
     messages = [{"role": "user", "content": "x"}]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    assert ChatCompletionRequest(messages=messages, tool_choice="none").misuse() is None
-    assert (
-        ChatCompletionRequest(messages=messages, tools=tools, tool_choice="none").misuse() is None
-    )
-    for choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+    for choice in (
+        None,
+        "none",
+        "auto",
+        "required",
+        {"type": "function", "function": {"name": "f"}},
+    ):
         body = ChatCompletionRequest(messages=messages, tools=tools, tool_choice=choice)
-        assert body.misuse()[1] == "tool_choice"
-    assert ChatCompletionRequest(messages=messages, tools=tools).misuse()[1] == "tool_choice"
+        assert body.misuse() is None
 
 
 def test_tools_with_tool_choice_none_reach_the_template(tmp_path: Path) -> None:
