@@ -35,6 +35,7 @@ from mpengine.structured.grammars import grammar_text
 logger = logging.getLogger(__name__)
 
 MASK_TIMEOUT_S = 60.0  # a mask not ready by then is a failed step, not a hang
+MAX_COMPILED = 64  # grammars kept compiled, the most recently used
 
 
 class GrammarError(RuntimeError):
@@ -95,6 +96,7 @@ class GrammarMatchers:
         self.matchers: dict[int, _Matcher] = {}  # seq id ->
         self.by_request: dict[int, list[int]] = {}  # request key -> seq ids
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._prototypes: dict[str, llguidance.LLMatcher] = {}  # grammar -> fresh matcher
         self._worker: ThreadPoolExecutor | None = None
 
     def start(self, seq_id: int, request: RequestParams) -> None:
@@ -170,7 +172,7 @@ class GrammarMatchers:
     ) -> llguidance.LLMatcher:
         """The matcher with every output token before this sample consumed."""
         if state.matcher is None:
-            state.matcher = llguidance.LLMatcher(self._llg_tokenizer(), state.grammar)
+            state.matcher = self._compiled(state.grammar).deep_copy()
         matcher = state.matcher
         for token in outputs[state.consumed :].tolist():
             if state.ended:
@@ -179,6 +181,18 @@ class GrammarMatchers:
                 raise ValueError(matcher.get_error() or f"token {token} is not allowed here")
             state.ended = token in self.eos_token_ids
         state.consumed = max(state.consumed, num_output)
+        return matcher
+
+    def _compiled(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher of ``grammar``, kept to copy: compiling one for a JSON schema of
+        30 fields took 1.3 ms (SmolLM2's vocabulary), a copy 2 us; the ``n`` samples of a
+        request and the requests that share a schema compile it once."""
+        matcher = self._prototypes.pop(grammar, None)
+        if matcher is None:
+            matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar)
+        self._prototypes[grammar] = matcher  # the most recent last
+        while len(self._prototypes) > MAX_COMPILED:
+            self._prototypes.pop(next(iter(self._prototypes)))
         return matcher
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:

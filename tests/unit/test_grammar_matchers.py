@@ -73,7 +73,12 @@ def test_masks_follow_the_consumed_tokens(tokenizer, overlap: bool) -> None:
     _, allowed = masks.select(np.arange(1))
     assert allowed[0].all()  # planned ahead of its EOS: the draw is dropped, any mask will do
 
-    matchers.release([1, 2])
+    # A second request of the same grammar copies the compiled one.
+    matchers.start(9, request(3, StructuredOutputs(choice=["yes", "no"])))
+    matchers.fill(np.array([9]), np.array([0]), prompt[:1], np.array([0]), history).wait()
+    assert len(matchers._prototypes) == 1
+
+    matchers.release([1, 2, 3])
     assert matchers.fill(seq_ids, slots, prompt, np.array([0, 0]), history) is None
 
 
