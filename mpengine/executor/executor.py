@@ -318,8 +318,8 @@ class Executor:
         inputs = self._prepare(rows, sampling, prompt_chunks)
         self._masks = self._fill_masks(rows, sampling)
 
-        # 4. forward, into blocks zeroed where it writes their first row (while a worker
-        # thread fills the grammar masks of the constrained rows; "grammar": what is left)
+        # 4. forward, into blocks zeroed where it writes their first row (beside it, where a
+        # core is spare, a worker thread fills the grammar masks; "grammar": what is left)
         self.marks.append(("forward", time.perf_counter()))
         pools = bool((pool_kinds >= 0).any())
         logits, hidden = self._forward(inputs, pools) if inputs is not None else (None, None)
@@ -592,7 +592,9 @@ class Executor:
         for row in range(len(slots)):
             one = slice(row, row + 1)
             try:
-                self._sample_rows(logits[one], slots[one], contexts[one], row=row).wait()
+                self._sample_rows(
+                    logits[one], slots[one], contexts[one], rows=np.array([row])
+                ).wait()
             except Exception as row_exc:
                 if device_lost(row_exc):
                     raise
@@ -612,15 +614,12 @@ class Executor:
         slots: np.ndarray,
         contexts: np.ndarray,
         device_slots: torch.Tensor | None = None,
-        row: int | None = None,
         rows: np.ndarray | None = None,
     ) -> PendingSample:
         """Launch the sampling of the step's sampling rows ``rows`` (all of them by default;
-        ``row``: that one alone)."""
+        their grammar masks are found by these indexes)."""
         sampling = self.slots.sampling_rows(slots, contexts)
         if self._masks is not None:
-            if row is not None:
-                rows = np.array([row])
             rows = np.arange(len(slots)) if rows is None else rows
             sampling.allowed_rows, sampling.allowed = self._masks.select(rows)
         params = self.batch.sampling_params_of(slots if device_slots is None else device_slots)

@@ -136,17 +136,20 @@ class GrammarMatchers:
             )
             for r in rows
         ]
-        if self._worker is None and self.overlap:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="mpengine-grammar")
+        rows = rows.astype(np.int64)
         if not self.overlap:
             done: Future[tuple[torch.Tensor, dict[int, str]]] = Future()
             done.set_result(self._fill(jobs))
-            return Masks(rows.astype(np.int64), done)
-        return Masks(rows.astype(np.int64), self._worker.submit(self._fill, jobs))
+            return Masks(rows, done)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="mpengine-grammar")
+        return Masks(rows, self._worker.submit(self._fill, jobs))
 
     def _fill(
         self, jobs: list[tuple[_Matcher, np.ndarray, int]]
     ) -> tuple[torch.Tensor, dict[int, str]]:
+        """Each job's matcher advanced and its mask filled: the masks as booleans, and the
+        errors of the rows whose matcher failed (their mask allows everything)."""
         bitmask = llguidance.numpy.allocate_token_bitmask(len(jobs), self.vocab_size)
         errors: dict[int, str] = {}
         for k, (state, outputs, num_output) in enumerate(jobs):
