@@ -11,6 +11,7 @@ from mpengine.executor.input_batch import InputBatch
 from mpengine.executor.sampler import (
     Sampler,
     SamplingRows,
+    apply_masks,
     apply_min_p,
     apply_penalties,
     apply_top_k,
@@ -395,3 +396,16 @@ def test_argmax_rows_is_torch_argmax(dtype: torch.dtype) -> None:
     assert argmax_rows(x)[3:8].tolist() == [10, 0, 7, 0, 100]
     strided = x.t().contiguous().t()
     assert torch.equal(argmax_rows(strided), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("rows", [[1, 3], [0, 1, 2, 3]])
+def test_grammar_masks_exclude_tokens_of_their_rows_only(rows: list[int]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 10, generator=gen)
+    allowed = torch.rand(len(rows), 10, generator=gen) > 0.5
+    masked = apply_masks(logits, np.array(rows), allowed)
+    free = [r for r in range(4) if r not in rows]
+    assert torch.equal(masked[free], logits[free])
+    assert torch.equal(torch.isinf(masked[rows]), ~allowed)
+    assert torch.equal(masked[rows][allowed], logits[rows][allowed])
+    assert not torch.isinf(logits).any()  # (the raw logits stay for logprobs)
