@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -25,7 +24,7 @@ import torch
 
 import mpengine.executor.linear as linear
 import mpengine.executor.plan_checks as plan_checks
-from mpengine.config import EngineConfig
+from mpengine.config import EngineConfig, available_cpus
 from mpengine.executor.attention import METADATA_KWARG, Backend, choose_backend
 from mpengine.executor.compiled import CompiledDecode
 from mpengine.executor.encoder import Encoder
@@ -135,7 +134,7 @@ class Executor:
             config.tokenizer or self.loaded.path,
             self.loaded.vocab_size,
             self.loaded.eos_token_ids,
-            overlap=_spare_cores(config) > 0,
+            overlap=_masks_beside_forward(config, self.device),
         )
         self._masks: Masks | None = None  # the step's grammar masks (structured outputs)
         # The last hidden state of the step being run, kept by a hook on the base model
@@ -707,9 +706,11 @@ class Executor:
         return Array.of(finalize(vectors, self.slots.pool_normalize[slots], dims), "float32")
 
 
-def _spare_cores(config: EngineConfig) -> int:
-    """Cores left beside the executor's torch threads and the two other stages' processes."""
-    return len(os.sched_getaffinity(0)) - config.max_threads - 2
+def _masks_beside_forward(config: EngineConfig, device: torch.device) -> bool:
+    """Whether grammar masks are filled in a worker thread beside the forward: on a GPU
+    (the host waits on the device), on a CPU where a core is left beside the torch threads
+    and the two other stages (else the thread takes one from the forward)."""
+    return device.type == "cuda" or available_cpus() - config.max_threads - 2 > 0
 
 
 def _check_encoder_budget(config: EngineConfig, loaded: LoadedModel) -> None:

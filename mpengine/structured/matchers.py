@@ -2,8 +2,8 @@
 
 A matcher advances by the tokens its sequence has computed, read from the slot's token
 history (``SlotState.history``), and then fills the bitmask of the tokens that may come
-next. Where the machine has a core to spare beside the torch threads and the two other
-stages, both happen in one worker thread while the step's forward pass runs (llguidance
+next. On a GPU, or where a CPU has a core to spare beside the torch threads and the two
+other stages, both happen in one worker thread while the step's forward pass runs (llguidance
 releases the GIL while it computes a mask, as torch does in its kernels), so a step waits
 only for what is left of the masks when its logits are ready. Without one, the worker
 would take a core from the forward and the GIL from its Python: measured on two cores
