@@ -162,17 +162,29 @@ def _function_schemas(tools: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _required_schema(schemas: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's schema of ``required``: a non-empty list of calls of the given functions."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for name, schema in schemas.items()
-    ]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    """vLLM's schema of ``required``: a non-empty list of calls of the given functions.
+    Their ``$defs`` move to the root, where their ``#/$defs/...`` references point (as
+    pydantic's schemas of nested models have them)."""
+    calls, defs = [], {}
+    for name, schema in schemas.items():
+        schema = dict(schema)
+        for key, value in (schema.pop("$defs", None) or {}).items():
+            if defs.setdefault(key, value) != value:
+                raise ToolChoiceError(
+                    f"two functions define {key!r} in their $defs differently", "tools"
+                )
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    root: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if defs:
+        root["$defs"] = defs
+    return root
 
 
 class ToolStream:

@@ -13,9 +13,11 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from tests.e2e.test_server_cli import serving
@@ -266,3 +268,34 @@ def test_auto_tool_choice_needs_a_parser(tmp_path: Path) -> None:
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode != 0
     assert "--enable-auto-tool-choice needs --tool-call-parser" in done.stderr
+
+
+class City(pydantic.BaseModel):
+    name: Literal["Paris", "Oslo"]
+    population: int = pydantic.Field(ge=0, le=100)
+
+
+class Report(pydantic.BaseModel):
+    city: City  # a nested model: its schema is a $ref into $defs
+    sunny: bool
+
+
+def test_the_openai_clients_parse_helpers(api: openai.OpenAI) -> None:
+    """``chat.completions.parse`` with a pydantic model as the response format, and a
+    strict function tool made from one (``pydantic_function_tool``), whose nested models'
+    ``$defs`` must survive being put in the ``required`` list's schema."""
+    reply = api.chat.completions.parse(
+        model="tiny", messages=MESSAGES, response_format=Report, max_tokens=120, seed=1
+    )
+    assert isinstance(reply.choices[0].message.parsed, Report)
+    reply = api.chat.completions.parse(
+        model="tiny",
+        messages=MESSAGES,
+        tools=[openai.pydantic_function_tool(Report)],
+        tool_choice="required",
+        max_tokens=300,
+        seed=2,
+        logit_bias=CLOSE_LIST,
+    )
+    calls = reply.choices[0].message.tool_calls
+    assert calls and all(isinstance(c.function.parsed_arguments, Report) for c in calls)

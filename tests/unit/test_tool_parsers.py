@@ -137,3 +137,18 @@ def test_bad_tool_choices_name_the_field(tools, choice, field: str, match: str) 
     with pytest.raises(ToolChoiceError, match=match) as error:
         plan_tools(tools, choice, None)
     assert error.value.field == field
+
+
+def test_required_moves_the_functions_defs_to_the_root() -> None:
+    city = {"type": "object", "properties": {"name": {"type": "string"}}}
+    nested = {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}}
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": {**nested, "$defs": d}}}
+        for n, d in (("a", {"City": city}), ("b", {"City": city}))
+    ]
+    schema = json.loads(plan_tools(tools, "required", None).structured["json"])
+    assert schema["$defs"] == {"City": city}
+    assert all("$defs" not in c["properties"]["parameters"] for c in schema["items"]["anyOf"])
+    tools[1]["function"]["parameters"]["$defs"] = {"City": {"type": "string"}}
+    with pytest.raises(ToolChoiceError, match="'City'"):
+        plan_tools(tools, "required", None)
