@@ -3,7 +3,7 @@
 Starts ``mpengine serve`` (``--model``, default tiny) and, while one client reads a long
 stream, sends each hostile request of the security review once: a 15.6 MB text prompt, a
 chat of 450,000 messages, ``/detokenize`` of 7M ids, 15 MB of one-token prompts, a request
-head sent a byte at a time.
+head sent a byte at a time; and two grammars near the bounds of structured outputs.
 For each: the answer's status, how long it took, the server's resident memory after it, and
 the longest gap between two chunks of the other client's stream meanwhile. Prints a table
 and writes JSON.
@@ -125,12 +125,22 @@ def cases(url: str) -> list[tuple[str, object]]:
     chat = json.dumps({"messages": [message] * 450_000, "max_tokens": 1}).encode()  # 15.3 MB
     ids = json.dumps({"tokens": [1] * 7_000_000}, separators=(",", ":")).encode()  # 14 MB
     prompts = json.dumps({"prompt": [[1]] * 3_000_000, "max_tokens": 1}, separators=(",", ":"))
+    # Grammars near the bounds of structured outputs (256 KB of text, 1,024 choices; within
+    # the body limit): what checking them at admission and compiling them in the executor
+    # costs (once each).
+    choices = [f"x{i}" + "a" * 1000 for i in range(1024)]
+    choice = json.dumps({"prompt": "a", "max_tokens": 4, "guided_choice": choices}).encode()
+    fields = {f"field{i}": {"type": "string"} for i in range(5000)}
+    schema = {"type": "object", "properties": fields, "required": list(fields)}
+    wide = json.dumps({"prompt": "a", "max_tokens": 4, "guided_json": schema}).encode()
     return [
         ("15.6 MB text prompt", lambda: post(url, "/v1/completions", text)),
         ("chat of 450,000 messages", lambda: post(url, "/v1/chat/completions", chat)),
         ("/detokenize of 7M ids", lambda: post(url, "/detokenize", ids)),
         ("15 MB of one-token prompts", lambda: post(url, "/v1/completions", prompts.encode())),
         ("request head a byte every 0.2 s", lambda: slow_head(url)),
+        ("1,024 choices of 1 KB", lambda: post(url, "/v1/completions", choice)),
+        ("JSON schema of 5,000 fields", lambda: post(url, "/v1/completions", wide)),
     ]
 
 
