@@ -130,11 +130,13 @@ class Executor:
             self.slots, self.device, config.block_size, self.backend, self.kv_caches
         )
         self.sampler = Sampler(self.device, config.seed)
+        overlap, mask_threads = _mask_placement(config, self.device)
         self.grammars = GrammarMatchers(
             config.tokenizer or self.loaded.path,
             self.loaded.vocab_size,
             self.loaded.eos_token_ids,
-            overlap=_masks_beside_forward(config, self.device),
+            overlap,
+            mask_threads,
         )
         self._masks: Masks | None = None  # the step's grammar masks (structured outputs)
         # The last hidden state of the step being run, kept by a hook on the base model
@@ -706,11 +708,16 @@ class Executor:
         return Array.of(finalize(vectors, self.slots.pool_normalize[slots], dims), "float32")
 
 
-def _masks_beside_forward(config: EngineConfig, device: torch.device) -> bool:
-    """Whether grammar masks are filled in a worker thread beside the forward: on a GPU
-    (the host waits on the device), on a CPU where a core is left beside the torch threads
-    and the two other stages (else the thread takes one from the forward)."""
-    return device.type == "cuda" or available_cpus() - config.max_threads - 2 > 0
+def _mask_placement(config: EngineConfig, device: torch.device) -> tuple[bool, int]:
+    """Whether grammar masks are filled in a worker thread beside the forward, and by how
+    many of llguidance's threads: beside it on a GPU (the host waits on the device), or on
+    a CPU with cores left beside the torch threads and the two other stages (those cores);
+    else before it, with the torch threads' cores (idle then)."""
+    cpus = available_cpus()
+    if device.type == "cuda":
+        return True, max(1, min(8, cpus - 3))
+    spare = cpus - config.max_threads - 2
+    return (True, spare) if spare > 0 else (False, config.max_threads)
 
 
 def _check_encoder_budget(config: EngineConfig, loaded: LoadedModel) -> None:
