@@ -132,7 +132,7 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, gc=False, forbid_unk
     grammar: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(
                 "structured outputs take exactly one of json, json_object, regex, choice and "
@@ -141,7 +141,10 @@ class StructuredOutputs(msgspec.Struct, omit_defaults=True, gc=False, forbid_unk
 
     @property
     def kind(self) -> str:
-        return next(name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+        return self._given()[0]
+
+    def _given(self) -> list[str]:
+        return [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpengine.envs import write_atomically
+from shm.segment import pid_alive
 
 ENGINE_FILE = "engine.json"
 # A launcher's runtime directory in the temp dir: mpengine-<engine id>-<pid>-<pid ns>-<random>.
@@ -54,7 +55,8 @@ def address_of_url(url: str) -> str:
     for path in sorted(Path(tempfile.gettempdir()).glob(f"{RUNTIME_DIR_GLOB}/{ENGINE_FILE}")):
         record = read_engine_file(str(path.parent)) or {}
         http = record.get("http")
-        if http and urllib.parse.urlsplit(http).port == port and _alive(record.get("pid")):
+        pid = record.get("pid")
+        if http and urllib.parse.urlsplit(http).port == port and _is_pid(pid) and pid_alive(pid):
             return f"ipc://{path.parent}"
     raise LookupError(
         f"no engine of this host serves {url} from the temp dir; give its ipc:// address "
@@ -62,14 +64,8 @@ def address_of_url(url: str) -> str:
     )
 
 
-def _alive(pid: object) -> bool:
-    try:
-        os.kill(int(pid), 0)  # type: ignore[call-overload]
-    except (TypeError, ValueError, ProcessLookupError):
-        return False
-    except PermissionError:  # another user's: alive, but not ours to read
-        return False
-    return True
+def _is_pid(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def ipc_dir(address: str) -> str:

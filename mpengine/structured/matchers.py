@@ -63,13 +63,10 @@ class Masks:
     future: Future[tuple[torch.Tensor, dict[int, str]]]
     allowed: torch.Tensor | None = None  # bool [len(rows), vocab]
     errors: dict[int, str] = field(default_factory=dict)  # row -> why its matcher failed
-    wait_s: float = 0.0  # how long the step waited for them
 
     def wait(self) -> None:
         if self.allowed is None:
-            started = time.perf_counter()
             self.allowed, self.errors = self.future.result(timeout=MASK_TIMEOUT_S)
-            self.wait_s = time.perf_counter() - started
 
     def select(self, rows: np.ndarray) -> tuple[np.ndarray, torch.Tensor | None]:
         """For the sampling rows ``rows`` (a subset, in order): the positions among them
