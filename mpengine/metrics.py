@@ -270,6 +270,12 @@ class EngineCollector(Collector):
         yield gauge("kv_cache_usage_perc", "KV cache usage (1 = full).", used)
         yield counter("num_preemptions", "Preemptions since the engine started.", stats.preemptions)
         yield counter(
+            "num_fair_preemptions",
+            "Preemptions of a tenant over its share for one waiting under it.",
+            stats.fair_preemptions,
+        )
+        yield gauge("num_tenants_running", "Tenants with sequences running.", stats.num_tenants)
+        yield counter(
             "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
             getattr(stats, "prefix_cache_queries", 0),

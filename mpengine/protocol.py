@@ -42,7 +42,7 @@ from msgspec import Meta
 
 _WIRE = {"array_like": True, "omit_defaults": True, "tag": True, "gc": False}
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 T = TypeVar("T", list[int], np.ndarray)
 
 # What one request may ask for (checked when a frame is decoded, naming the field).
@@ -475,6 +475,9 @@ class AddRequest(msgspec.Struct, **_WIRE):
     # a batch's prompts in windows): a draining engine still admits it, the call being
     # admitted work.
     continues: bool = False
+    # Whose share of the engine it uses, among this client's (see ``scheduler/waiting.py``):
+    # "" for the client itself; the HTTP server names each HTTP request (or its ``user``).
+    tenant: Annotated[str, Meta(max_length=MAX_REQUEST_ID + 24)] = ""
 
     def __post_init__(self) -> None:
         if (self.sampling is None) == (self.pooling is None):
@@ -624,6 +627,10 @@ class EngineStats(msgspec.Struct, **_WIRE):
     # Steps planned, by tokens computed (vLLM's iteration_tokens_total): counts per bucket
     # of STEP_TOKEN_BUCKETS (at most that many tokens), then those above the last.
     step_tokens: list[int] = []
+    # Fair shares: tenants running sequences, and preemptions of a tenant over its share
+    # for one under it (also counted in ``preemptions``).
+    num_tenants: int = 0
+    fair_preemptions: int = 0
 
 
 # Buckets of the tokens computed in one step (vLLM's, for iteration_tokens_total).

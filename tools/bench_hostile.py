@@ -3,7 +3,9 @@
 Starts ``mpengine serve`` (``--model``, default tiny) and, while one client reads a long
 stream, sends each hostile request of the security review once: a 15.6 MB text prompt, a
 chat of 450,000 messages, ``/detokenize`` of 7M ids, 15 MB of one-token prompts, a request
-head sent a byte at a time; and two grammars near the bounds of structured outputs.
+head sent a byte at a time; two grammars near the bounds of structured outputs; and one
+request that would hold every seat for minutes (4,000 prompts x n=64: refused; 4 prompts x
+n=64 of 4,000 tokens: served), timing another client's 4-token request beside it.
 For each: the answer's status, how long it took, the server's resident memory after it, and
 the longest gap between two chunks of the other client's stream meanwhile. Prints a table
 and writes JSON.
@@ -14,6 +16,7 @@ and writes JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import select
@@ -86,6 +89,22 @@ def slow_head(url: str) -> tuple[int, float]:
     return -1, 60.0
 
 
+def beside_hog(url: str) -> tuple[int, float]:
+    """A 4-token request while one request's 4 prompts x n=64 (256 sequences, every seat
+    of the default ``max_num_seqs``) stream 4,000 tokens each: its status and seconds (it
+    waited for the big one, 38 s, before fair shares)."""
+    body = {"prompt": [[1, 2, 3]] * 4, "n": 64, "max_tokens": 4000, "stream": True}
+    body |= {"ignore_eos": True}
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as hog:
+        for _ in itertools.islice(hog, 256):  # under way: its first chunks arrived
+            pass
+        small = json.dumps({"prompt": [[4, 5, 6, 7]], "max_tokens": 4}).encode()
+        return post(url, "/v1/completions", small)
+
+
 class Stream(threading.Thread):
     """Another client's long stream; ``gap()`` is the longest wait between two chunks
     since the last call."""
@@ -133,6 +152,8 @@ def cases(url: str) -> list[tuple[str, object]]:
     fields = {f"field{i}": {"type": "string"} for i in range(5000)}
     schema = {"type": "object", "properties": fields, "required": list(fields)}
     wide = json.dumps({"prompt": "a", "max_tokens": 4, "guided_json": schema}).encode()
+    hog = {"prompt": [[1, 2, 3]] * 4000, "n": 64, "max_tokens": 4000, "stream": True}
+    huge = json.dumps(hog | {"ignore_eos": True}).encode()
     return [
         ("15.6 MB text prompt", lambda: post(url, "/v1/completions", text)),
         ("chat of 450,000 messages", lambda: post(url, "/v1/chat/completions", chat)),
@@ -141,6 +162,8 @@ def cases(url: str) -> list[tuple[str, object]]:
         ("request head a byte every 0.2 s", lambda: slow_head(url)),
         ("1,024 choices of 1 KB", lambda: post(url, "/v1/completions", choice)),
         ("JSON schema of 5,000 fields", lambda: post(url, "/v1/completions", wide)),
+        ("4,000 prompts x n=64", lambda: post(url, "/v1/completions", huge)),
+        ("4 tokens beside 4 prompts x n=64", lambda: beside_hog(url)),
     ]
 
 

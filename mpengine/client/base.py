@@ -44,6 +44,17 @@ def _priorities(priority: int | Sequence[int], count: int) -> list[int]:
     return priorities
 
 
+def _tenant(tenant: str | None) -> str:
+    """A tenant's name as requests carry it ("": the client's own share)."""
+    if tenant is None:
+        return ""
+    if not isinstance(tenant, str):
+        raise TypeError(f"tenant must be a str, not {type(tenant).__name__}")
+    if len(tenant) > MAX_REQUEST_ID:
+        raise InvalidRequestError(f"tenant: at most {MAX_REQUEST_ID} characters, got {len(tenant)}")
+    return tenant
+
+
 def _check_priority(priority: object) -> None:
     in_range = isinstance(priority, int) and -INT32_MAX - 1 <= priority <= INT32_MAX
     if not in_range or isinstance(priority, bool):
@@ -160,6 +171,7 @@ class ClientBase:
         request_id: str | None,
         priority: int = 0,
         streaming: bool = False,
+        tenant: str | None = None,
     ) -> AddRequest:
         # No parameters: the model's defaults (its generation_config.json), as vLLM's.
         params = (params or self.info.default_sampling()).validate()
@@ -178,7 +190,12 @@ class ClientBase:
         ids = params.truncated(ids, self.info.max_model_len)
         request_id = self._request_id(request_id)
         return AddRequest(
-            request_id, token_array(ids), params, arrival_time=time.time(), priority=priority
+            request_id,
+            token_array(ids),
+            params,
+            arrival_time=time.time(),
+            priority=priority,
+            tenant=_tenant(tenant),
         )
 
     def _request_id(self, request_id: str | None) -> str:
@@ -223,10 +240,13 @@ class ClientBase:
         params: SamplingParams | Sequence[SamplingParams] | None,
         request_ids: Sequence[str | None] | None,
         priority: int | Sequence[int],
+        tenant: str | None = None,
     ) -> Batch:
         """``generate_many``'s batch: each prompt's ``RequestOutput``."""
         make, result = self._request, Request.output
-        return self._batch(make, SamplingParams, result, prompts, params, request_ids, priority)
+        batch = self._batch(make, SamplingParams, result, prompts, params, request_ids, priority)
+        batch.tenant = _tenant(tenant)
+        return batch
 
     def _embeddings(
         self,
@@ -235,11 +255,13 @@ class ClientBase:
         request_ids: Sequence[str | None] | None,
         priority: int | Sequence[int],
         on_output: Callable[[int, EmbeddingOutput], object] | None,
+        tenant: str | None = None,
     ) -> Batch:
         """``embed_many``'s batch: each input's ``EmbeddingOutput``, each passed to
         ``on_output(index, embedding)`` as it finishes."""
         make, result = self._embed_request, Request.embedding
         batch = self._batch(make, PoolingParams, result, prompts, params, request_ids, priority)
+        batch.tenant = _tenant(tenant)
         if on_output is not None:
             batch.finished = lambda request: on_output(request.index, request.embedding())
         return batch

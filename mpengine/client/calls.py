@@ -78,6 +78,7 @@ class Calls(ClientBase):
         timeout: float | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> StreamSteps[RequestOutput]:
         """Yield each delta as the engine produces it (the last has ``finished``).
         Closing the stream, or ``timeout`` seconds passing (``TimeoutError``), aborts the
@@ -85,8 +86,10 @@ class Calls(ClientBase):
         kept in a variable is closed by ``.close()`` (``AsyncClient``'s: ``aclose()``; or
         ``contextlib.closing``, ``aclosing``), else only when it is collected (as is one
         that an ``async for`` leaves early). ``priority``: lower runs first, when the engine
-        schedules by priority."""
-        return self._deltas(prompt, params, request_id, timeout, priority)
+        schedules by priority. ``tenant``: whose share of the engine the request uses
+        (None: this client's); a front end serving many users names each (the engine
+        shares its sequences fairly between tenants, ``scheduler/waiting.py``)."""
+        return self._deltas(prompt, params, request_id, timeout, priority, tenant)
 
     @call
     def generate(
@@ -97,10 +100,11 @@ class Calls(ClientBase):
         request_id: str | None = None,
         timeout: float | None = None,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> Steps[RequestOutput]:
         """Run one request to completion; after ``timeout`` seconds abort it and raise
         ``TimeoutError``."""
-        batch = self._generations([prompt], params, [request_id], priority)
+        batch = self._generations([prompt], params, [request_id], priority, tenant)
         (out,) = yield from self._finished(batch, timeout)
         return out
 
@@ -113,12 +117,15 @@ class Calls(ClientBase):
         timeout: float | None = None,
         request_ids: Sequence[str | None] | None = None,
         priority: int | Sequence[int] = 0,
+        tenant: str | None = None,
     ) -> Steps[list[RequestOutput]]:
         """Submit every prompt at once (so they batch); return the outputs in order. After
         ``timeout`` seconds (for all of them) abort the unfinished and raise ``TimeoutError``.
         ``priority``: one for all, or one per prompt (lower runs first, when the engine
         schedules by priority)."""
-        return self._finished(self._generations(prompts, params, request_ids, priority), timeout)
+        return self._finished(
+            self._generations(prompts, params, request_ids, priority, tenant), timeout
+        )
 
     @call
     def apply_chat_template(
@@ -149,6 +156,7 @@ class Calls(ClientBase):
         request_id: str | None = None,
         timeout: float | None = None,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> Steps[RequestOutput | list[RequestOutput]]:
         """The model's reply to a conversation, as vLLM's ``LLM.chat``.
 
@@ -168,7 +176,9 @@ class Calls(ClientBase):
         conversations, batch = chats(messages, request_id)
         prompts = yield self._rendered(conversations, ChatOptions.of(locals()))
         ids = [request_id] * len(prompts)
-        outs = yield from self._finished(self._generations(prompts, params, ids, priority), timeout)
+        outs = yield from self._finished(
+            self._generations(prompts, params, ids, priority, tenant), timeout
+        )
         return outs if batch else outs[0]
 
     @streams.eagerly
@@ -185,6 +195,7 @@ class Calls(ClientBase):
         timeout: float | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> StreamSteps[RequestOutput]:
         """The reply to one conversation (arguments as for ``chat``), as ``stream`` yields a
         prompt's: each delta as the engine produces it; closing the stream aborts the
@@ -192,7 +203,7 @@ class Calls(ClientBase):
         render raises there, before any iteration), ``AsyncClient`` at the first one."""
         conversations = one_chat(messages)
         (ids,) = yield self._rendered(conversations, ChatOptions.of(locals()))
-        yield from self._deltas(ids, params, request_id, timeout, priority)
+        yield from self._deltas(ids, params, request_id, timeout, priority, tenant)
 
     @call
     def embed_many(
@@ -203,13 +214,14 @@ class Calls(ClientBase):
         timeout: float | None = None,
         request_ids: Sequence[str | None] | None = None,
         priority: int | Sequence[int] = 0,
+        tenant: str | None = None,
         on_output: Callable[[int, EmbeddingOutput], object] | None = None,
     ) -> Steps[list[EmbeddingOutput]]:
         """Submit every input at once (so they batch); return the embeddings in order. A bad
         input raises ``InvalidRequestError`` (the others are aborted). ``on_output(index,
         embedding)`` is called for each input as it finishes, in finishing order (progress
         of a long batch, or what was done when the call fails part-way)."""
-        batch = self._embeddings(prompts, params, request_ids, priority, on_output)
+        batch = self._embeddings(prompts, params, request_ids, priority, on_output, tenant)
         return self._finished(batch, timeout)
 
     @call
@@ -221,10 +233,11 @@ class Calls(ClientBase):
         request_id: str | None = None,
         timeout: float | None = None,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> Steps[EmbeddingOutput]:
         """The embedding of one text (or token ids); ``params`` default to the model's
         pooling. After ``timeout`` seconds abort it and raise ``TimeoutError``."""
-        batch = self._embeddings([prompt], params, [request_id], priority, None)
+        batch = self._embeddings([prompt], params, [request_id], priority, None, tenant)
         (out,) = yield from self._finished(batch, timeout)
         return out
 
@@ -242,13 +255,14 @@ class Calls(ClientBase):
         request_id: str | None,
         timeout: float | None,
         priority: int,
+        tenant: str | None,
     ) -> StreamSteps[RequestOutput]:
         """A streamed request's deltas, until it finishes; aborted if the stream stops
         first."""
         deadline = Deadline(timeout)
         inbox = self._inbox()
         make = functools.partial(
-            self._request, prompt, params, request_id, priority, streaming=True
+            self._request, prompt, params, request_id, priority, streaming=True, tenant=tenant
         )
         request = Request(self._conn, (yield self._prepare([prompt], make)), inbox.put)
         try:

@@ -100,41 +100,50 @@ def cancel(requests: Sequence[Request]) -> None:
 
 class Window:
     """The requests of one batch call in flight at once. The engine refuses a request
-    (``overloaded``) once ``max_waiting_requests`` requests or ``max_waiting_tokens``
-    prompt tokens wait for admission; a batch keeps at most a quarter of the tokens in
-    flight, and as many requests as a step takes (``max_num_seqs``, within half the queue)
-    or a quarter of the queue, whichever is more (other clients share the queue: four big
-    batch calls fit the default one at once), but no more than four steps take. It submits
-    the rest as earlier ones finish, whichever they are (a long one does not hold back the
+    (``overloaded``) once ``max_waiting_requests`` sequences (one per sample or beam) or
+    ``max_waiting_tokens`` prompt tokens wait for admission, of which one tenant may take
+    half; a batch keeps at most a quarter of its tenant's half of the tokens in flight, and
+    as many sequences as a step takes (``max_num_seqs``, within a quarter of the queue) or
+    an eighth of the queue, whichever is more (four big batch calls of one tenant fit its
+    half of the default queue at once), but no more than four steps take. It submits the
+    rest as earlier ones finish, whichever they are (a long one does not hold back the
     others), marked ``continues`` (a draining engine lets the call finish, and the engine
     refuses them only past twice its bounds)."""
 
     def __init__(self, info: EngineInfo) -> None:
-        self.max_requests = self.max_tokens = 1 << 62  # an engine that does not say
+        self.max_seqs = self.max_tokens = 1 << 62  # an engine that does not say
         if info.max_waiting_requests:
             queue, seqs = info.max_waiting_requests, info.max_num_seqs
-            # A step's worth at least (within half the queue), else a quarter of the queue.
-            self.max_requests = max(1, min(4 * seqs, max(queue // 4, min(seqs, queue // 2))))
-            self.max_tokens = max(1, info.max_waiting_tokens // 4)
-        self.inflight: dict[int, int] = {}  # id of a request in flight -> its prompt tokens
-        self.tokens = 0
+            # A step's worth at least (within a quarter of the queue), else an eighth of it.
+            self.max_seqs = max(1, min(4 * seqs, max(queue // 8, min(seqs, queue // 4))))
+            self.max_tokens = max(1, info.max_waiting_tokens // 8)
+        self.inflight: dict[int, tuple[int, int]] = {}  # request in flight -> (seqs, tokens)
+        self.seqs = self.tokens = 0
         self.released = 0  # requests that finished and left the window
+
+    @staticmethod
+    def size(request: AddRequest) -> tuple[int, int]:
+        """The sequences and prompt tokens ``request`` weighs in the engine's queue."""
+        seqs = 1 if request.sampling is None else request.sampling.num_samples
+        return seqs, len(request.prompt_token_ids)
 
     def admits(self, request: AddRequest) -> bool:
         """Whether ``request`` may go now; else one in flight must finish first."""
-        size = len(request.prompt_token_ids)
-        fits = len(self.inflight) < self.max_requests and self.tokens + size <= self.max_tokens
+        seqs, tokens = self.size(request)
+        fits = self.seqs + seqs <= self.max_seqs and self.tokens + tokens <= self.max_tokens
         return not self.inflight or fits
 
-    def add(self, request: Request, size: int) -> None:
-        self.inflight[id(request)] = size
-        self.tokens += size
+    def add(self, request: Request, add: AddRequest) -> None:
+        seqs, tokens = self.inflight[id(request)] = self.size(add)
+        self.seqs += seqs
+        self.tokens += tokens
 
     def release(self, finished: list[Request]) -> None:
         for request in finished:
             size = self.inflight.pop(id(request), None)
             if size is not None:
-                self.tokens -= size
+                self.seqs -= size[0]
+                self.tokens -= size[1]
                 self.released += 1
 
 
@@ -152,6 +161,7 @@ class Batch:
     jobs: list[Job]
     result: Callable[[Request], Any]
     finished: Callable[[Request], object] | None = None
+    tenant: str = ""  # whose share of the engine its requests use ("": the client's)
 
     @property
     def prompts(self) -> list[Any]:
@@ -175,8 +185,9 @@ class Batch:
                 while not window.admits(add):  # wait for one in flight to finish
                     window.release((yield from self._take(inbox, deadline, None)))
                 add.continues = window.released > 0
+                add.tenant = self.tenant
                 requests.append(Request(conn, add, inbox.put, len(requests)))
-                window.add(requests[-1], len(add.prompt_token_ids))
+                window.add(requests[-1], add)
             yield from self._take(inbox, deadline, requests)
             return [self.result(r) for r in requests]
         finally:

@@ -22,6 +22,7 @@ from mpengine.protocol import (
 )
 from mpengine.scheduler.beams import beam_stop_ids
 from mpengine.scheduler.request import Request, Sequence
+from mpengine.scheduler.waiting import WaitingQueue
 from mpengine.structured import grammars
 
 
@@ -59,6 +60,7 @@ class CheckedRequest:
             arrival_time=req.arrival_time or time.time(),
             max_tokens=self.max_tokens,
             priority=req.priority,
+            tenant=(client_id, req.tenant),
         )
         num_samples = 1 if self.sampling is None else self.sampling.num_samples
         for index in range(num_samples):
@@ -146,29 +148,35 @@ class AdmissionRules:
             )
         return CheckedRequest(prompt, sampling, None, self.check_sampling(prompt, sampling))
 
-    def check_room(
-        self, num_waiting_requests: int, num_waiting_tokens: int, num_tokens: int, continues: bool
-    ) -> None:
-        """Reject a request of ``num_tokens`` prompt tokens while the queue is full."""
+    def check_room(self, queue: WaitingQueue, request: Request, continues: bool) -> None:
+        """Reject ``request`` while the queue is full. The bounds count sequences (each
+        sample or beam: ``max_waiting_requests``) and prompt tokens (``max_waiting_tokens``),
+        of all tenants and of ``request``'s own, which may take half of each: one tenant
+        alone cannot fill the queue for the others. A request always fits an empty queue."""
         # The bounds stop new work. A batch call already under way keeps at most a quarter
-        # of each in flight (its client's window; of requests, a step's worth where that is
-        # more) and may go on up to twice them: several batch calls together failed
+        # of each in flight (its client's window; of sequences, a step's worth where that
+        # is more) and may go on up to twice them: several batch calls together failed
         # part-way, their finished work thrown away.
         slack = 2 if continues else 1
-        if num_waiting_requests >= slack * self.max_waiting_requests:
-            raise RequestRejected(
-                f"overloaded: {num_waiting_requests} requests are waiting "
-                f"(max_waiting_requests={self.max_waiting_requests}); retry later",
-                "overloaded",
-            )
-        if num_waiting_requests and num_waiting_tokens + num_tokens > (
-            slack * self.max_waiting_tokens
+        for (seqs, tokens), share, whose in (
+            ((queue.num_seqs, queue.num_tokens), 1, ""),
+            (queue.load(request.tenant), 2, " of this tenant (at most half the queue)"),
         ):
-            raise RequestRejected(
-                f"overloaded: {num_waiting_tokens} prompt tokens are waiting "
-                f"(max_waiting_tokens={self.max_waiting_tokens}); retry later",
-                "overloaded",
-            )
+            most = max(1, slack * self.max_waiting_requests // share)
+            if seqs and seqs + len(request.seqs) > most:
+                raise RequestRejected(
+                    f"overloaded: {seqs} sequences{whose} are waiting "
+                    f"(max_waiting_requests={self.max_waiting_requests}, counting each "
+                    "sample); retry later",
+                    "overloaded",
+                )
+            most = max(1, slack * self.max_waiting_tokens // share)
+            if seqs and tokens + request.num_prompt_tokens > most:
+                raise RequestRejected(
+                    f"overloaded: {tokens} prompt tokens{whose} are waiting "
+                    f"(max_waiting_tokens={self.max_waiting_tokens}); retry later",
+                    "overloaded",
+                )
 
     def check_tokens(self, prompt: np.ndarray) -> None:
         if len(prompt) == 0:

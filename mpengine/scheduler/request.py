@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import enum
-import heapq
-import itertools
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from mpengine.protocol import PoolingParams, SamplingParams
+
+# Whose share of the engine a request uses: (client id, the tenant it names; "" for itself).
+Tenant = tuple[str, str]
 
 
 class Status(enum.Enum):
@@ -103,6 +102,7 @@ class Request:
     arrival_time: float
     max_tokens: int  # capped so prompt + outputs fit max_model_len
     priority: int = 0  # lower first (the priority scheduling policy)
+    tenant: Tenant = ("", "")  # (client_id, the tenant it names)
     seqs: list[Sequence] = field(default_factory=list)
     announced: bool = False
     params_sent: bool = False  # the executor holds its RequestParams
@@ -139,61 +139,3 @@ def urgency(seq: Sequence) -> tuple[int, int, int]:
     """Higher for a sequence that gives way first: lower priority (a higher number), then
     later arrival (the request key counts arrivals), then a later sample."""
     return seq.request.priority, seq.request.key, seq.sample_index
-
-
-class WaitingQueue:
-    """Requests waiting for admission, in the order they are admitted: arrival, or by
-    priority (lower first) then arrival, in a heap (a burst of thousands queued behind
-    each other took a walk of the queue each: 1-2 s of scheduler time at 4,096 waiting).
-    Aborted requests stay until they reach the head (``first`` drops them there);
-    ``num_requests`` and ``num_tokens`` count the others and their prompt tokens."""
-
-    def __init__(self, by_priority: bool) -> None:
-        self.by_priority = by_priority
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, int, Request]] = []
-        self._arrivals = itertools.count()
-        self.num_requests = 0
-        self.num_tokens = 0
-
-    def append(self, request: Request) -> None:
-        if self.by_priority:
-            heapq.heappush(self._heap, (request.priority, next(self._arrivals), request))
-        else:
-            self._fifo.append(request)
-        self.num_requests += 1
-        self.num_tokens += request.num_prompt_tokens
-
-    def first(self) -> Request | None:
-        """The first request still waiting (dropping those aborted meanwhile), or None."""
-        while self and self._head().finished:
-            self._pop()
-        return self._head() if self else None
-
-    def admit(self) -> Request:
-        """Take the first request (``first``) out of the queue."""
-        request = self._pop()
-        assert not request.finished
-        self.forget(request)
-        return request
-
-    def forget(self, request: Request) -> None:
-        """``request`` leaves: admitted, or finished while it waits (it stays in the queue
-        until it reaches the head, no O(n) removal, but counts no more)."""
-        self.num_requests -= 1
-        self.num_tokens -= request.num_prompt_tokens
-
-    def _head(self) -> Request:
-        return self._heap[0][2] if self.by_priority else self._fifo[0]
-
-    def _pop(self) -> Request:
-        return heapq.heappop(self._heap)[2] if self.by_priority else self._fifo.popleft()
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.by_priority else len(self._fifo)
-
-    def __iter__(self) -> Iterator[Request]:
-        """In admission order (sorting the heap: for stats and tests)."""
-        if self.by_priority:
-            return (request for *_, request in sorted(self._heap))
-        return iter(self._fifo)

@@ -67,11 +67,12 @@ from mpengine.scheduler.admission import AdmissionRules, RequestRejected
 from mpengine.scheduler.beams import continue_beams, fork_sample, waiting_beam
 from mpengine.scheduler.block_manager import BlockManager
 from mpengine.scheduler.plan import aborted_requests, build_plan, new_request, request_params
-from mpengine.scheduler.policy import choose_victim, next_to_resume, resume_first
+from mpengine.scheduler.policy import choose_victim, fair_victim, next_to_resume, resume_first
 from mpengine.scheduler.prefix_staging import PrefixStaging
-from mpengine.scheduler.request import Request, Sequence, Status, WaitingQueue
+from mpengine.scheduler.request import Request, Sequence, Status
 from mpengine.scheduler.step import BlockDelta, StepBatch, StepBudget
 from mpengine.scheduler.swap import HostSwap
+from mpengine.scheduler.waiting import WaitingQueue
 
 __all__ = ["RequestRejected", "Scheduler"]
 
@@ -84,6 +85,7 @@ COUNTERS = (
     "finished",
     "aborted",
     "preemptions",
+    "fair_preemptions",
     "forked_blocks",
     "prefix_cache_queries",
     "prefix_cache_hits",
@@ -136,7 +138,7 @@ class Scheduler:
         self._table_updates: list[BlockDelta] = []
         self.requests: dict[tuple[str, str], Request] = {}  # by (client id, request id)
         self.seqs: dict[int, Sequence] = {}
-        self.waiting = WaitingQueue(self.by_priority)
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # in admission order
         self.preempted: deque[Sequence] = deque()
         # Finished sequences that still hold blocks and a slot: freed once no planned step
@@ -187,10 +189,8 @@ class Scheduler:
             raise RequestRejected(f"request id {req.request_id!r} is already in use")
         checked = self.rules.check(req)
         num_tokens = len(checked.prompt)
-        self.rules.check_room(
-            self.waiting.num_requests, self.waiting.num_tokens, num_tokens, req.continues
-        )
         request = checked.make_request(next(self._keys), client_id, req, self._seq_ids)
+        self.rules.check_room(self.waiting, request, req.continues)
         self.requests[client_id, req.request_id] = request
         self.seqs.update((seq.seq_id, seq) for seq in request.seqs)
         self.waiting.append(request)
@@ -340,7 +340,7 @@ class Scheduler:
                 continue
             need = self._blocks_needed(seq, num_tokens) - len(seq.block_ids)
             while not self.blocks.can_allocate(need):
-                victim = choose_victim(self.running, seq, self.by_priority)
+                victim = choose_victim(self.running, seq, self.by_priority, self.waiting.running)
                 self._give_back(victim, batch, budget)
                 self._preempt(victim, budget)
                 preempted_now = True
@@ -366,27 +366,32 @@ class Scheduler:
         return 0
 
     def _admit(self, batch: StepBatch, budget: StepBudget) -> None:
-        """Resume preempted sequences and admit waiting requests, in turn by priority
-        (``resume_first``). A sequence or request that does not fit ends the turns: nothing
-        behind it overtakes it."""
+        """Resume preempted sequences and admit waiting requests, in turn by priority and
+        tenant (``resume_first``). One that lacks seats or blocks while a tenant runs more
+        than its share takes them from that tenant (``_make_room``); else it ends the
+        turns: nothing behind it overtakes it."""
+        counts = self.waiting.running
         while budget.num_tokens > 0:
             request = self.waiting.first()
-            if resume_first(self.preempted, request):
-                placed = self._resume(batch, budget)
+            if resume_first(self.preempted, request, counts):
+                seq = next_to_resume(self.preempted, self.by_priority, counts)
+                if seq is None:
+                    break  # the next ones wait for their tokens in flight
+                if self._resume(seq, batch, budget):
+                    continue
+                owner, want = seq.request, 1
             elif request is not None:
-                placed = self._admit_request(request, batch, budget)
+                if self._admit_request(request, batch, budget):
+                    continue
+                seq, owner, want = request.seqs[0], request, len(request.seqs)
             else:
                 break
-            if not placed:
+            if not self._make_room(owner, want, seq, batch, budget):
                 break
 
-    def _resume(self, batch: StepBatch, budget: StepBudget) -> bool:
-        """Resume the next preempted sequence (``next_to_resume``); False when it cannot
-        now."""
+    def _resume(self, seq: Sequence, batch: StepBatch, budget: StepBudget) -> bool:
+        """Resume the preempted ``seq``; False when it cannot now."""
         while len(self.running) < self.max_num_seqs:
-            seq = next_to_resume(self.preempted, self.by_priority)
-            if seq is None:
-                return False
             if seq.host_block_ids:
                 num_tokens, need = self._swap_in(seq, budget)
             else:
@@ -403,11 +408,31 @@ class Scheduler:
             self.preempted.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
+            self.waiting.seat(seq.request.tenant)
             self._grow(seq, need, batch)
             self._take(seq, num_tokens, batch, budget)
             logger.debug("step %d: resumed seq %d (%d tokens)", batch.step, seq.seq_id, len(seq))
             return True
         return False
+
+    def _make_room(
+        self, owner: Request, want: int, seq: Sequence, batch: StepBatch, budget: StepBudget
+    ) -> bool:
+        """``owner``'s turn to run ``want`` sequences (the first: ``seq``) lacks seats or
+        blocks: preempt one of a tenant over its share (``fair_victim``). Whether one was."""
+        tokens = len(seq) if seq.status is Status.PREEMPTED else min(len(seq), budget.num_tokens)
+        blocks = 0 if self.encoder else self.blocks.blocks_for(tokens) + 2 * (want - 1)
+        seats = len(self.running) + want > self.max_num_seqs
+        if not seats and self.blocks.can_allocate(blocks):
+            return False  # the budget or the frame is short: the next step has more
+        counts = self.waiting.running
+        victim = fair_victim(self.running, owner.tenant, want, owner.priority, counts)
+        if victim is None:
+            return False
+        self._give_back(victim, batch, budget)
+        self._preempt(victim, budget)
+        self.counters["fair_preemptions"] += 1
+        return True
 
     def _admit_request(self, request: Request, batch: StepBatch, budget: StepBudget) -> bool:
         """Admit the first waiting request; False when it does not fit now."""
@@ -422,7 +447,8 @@ class Scheduler:
         num_tokens, need = self._place(parent, budget, params_bytes, reserve)
         if num_tokens == 0:
             return False
-        self.waiting.admit()
+        self.waiting.admit(request)
+        self.waiting.seat(request.tenant, len(request.seqs))
         self.counters["admitted"] += 1
         self._announce(request)
         for seq in request.seqs:
@@ -568,6 +594,7 @@ class Scheduler:
         blocks and slot now (the executor runs steps in order, so a later plan reusing them
         cannot overtake the step in flight)."""
         self.running.remove(seq)
+        self.waiting.unseat(seq.request.tenant)
         self.prefix.withdraw(seq)
         swapped = self.swap.swap_out(seq, budget)
         self.counters["swapped_out_blocks"] += len(seq.host_block_ids) if swapped else 0
@@ -589,6 +616,7 @@ class Scheduler:
         was_waiting = seq.status is Status.WAITING
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
+            self.waiting.unseat(seq.request.tenant)
         elif seq.status is Status.PREEMPTED:
             self.preempted.remove(seq)
             self.swap.drop(seq)
@@ -627,9 +655,10 @@ class Scheduler:
         return {
             **self.counters,
             "step_tokens": list(self.step_tokens),
-            "num_waiting": sum(len(r.seqs) for r in self.waiting),
+            "num_waiting": self.waiting.num_seqs,
             "num_running": len(self.running),
             "num_preempted": len(self.preempted),
+            "num_tenants": len(self.waiting.running),
             "num_swapped": sum(1 for seq in self.preempted if seq.host_block_ids),
             "num_free_blocks": self.blocks.num_free,
             "num_cached_blocks": self.blocks.num_cached,

@@ -138,7 +138,7 @@ async def create_chat_completion(
         names = {"logprobs": "top_logprobs", "max_tokens": param, **body.engine_names()}
         raise invalid_value(exc, names) from None
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = Generation(state, [prompt], params, request_id, body.priority)
+    generation = Generation(state, [prompt], params, request_id, body.priority, body.user)
     view = _View(state, body, model, request_id, prompt, num_top, tools)
     if body.stream:
         return await stream_response(request, generation, view.stream(generation))

@@ -53,7 +53,8 @@ async def create_completion(
             "are known only when all have ended",
             "best_of",
         )
-    texts, prompts = await _prompts(state, body.prompt, body.add_special_tokens)
+    num_samples = max(body.n, body.best_of or 0)
+    texts, prompts = await _prompts(state, body.prompt, body.add_special_tokens, num_samples)
     kept = state.truncate(prompts, body.truncate_prompt_tokens)
     texts = [t if len(a) == len(b) else None for t, a, b in zip(texts, prompts, kept, strict=True)]
     prompts = kept
@@ -76,7 +77,7 @@ async def create_completion(
     except (msgspec.ValidationError, ValueError) as exc:
         raise invalid_value(exc, body.engine_names(body.best_of)) from None
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = Generation(state, prompts, params, request_id, body.priority)
+    generation = Generation(state, prompts, params, request_id, body.priority, body.user)
     view = _View(state, body, model, request_id, texts, prompts, echo_only)
     if body.stream:
         return await stream_response(request, generation, view.stream(generation))
@@ -88,6 +89,7 @@ async def _prompts(
     state: ServerState,
     prompt: str | list[str] | list[int] | list[list[int]],
     add_special_tokens: bool = True,
+    num_samples: int = 1,
 ) -> tuple[list[str | None], list[list[int]]]:
     """Each prompt's text (None for token ids) and token ids."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -96,7 +98,7 @@ async def _prompts(
         items = list(prompt)
     if not items:
         raise bad_request("prompt is empty", "prompt")
-    state.check_count(len(items), "prompt")
+    state.check_count(len(items), "prompt", num_samples)
     texts = [item if isinstance(item, str) else None for item in items]
     strings = [t for t in texts if t is not None]
     encoded = iter(await state.text.encode(strings, add_special_tokens) if strings else [])

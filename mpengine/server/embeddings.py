@@ -61,7 +61,7 @@ async def create_embedding(
         encoded = iter(await state.text.encode(texts, add_special_tokens=False, field="input"))
         prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
     request_id = f"embd-{uuid.uuid4().hex}"
-    work = _embed(state, prompts, params, request_id, body.priority)
+    work = _embed(state, prompts, params, request_id, body.priority, body.user)
     outputs = await until_disconnected(request, work)
     data = [
         EmbeddingData(index, encode(out.embedding, body.encoding_format))
@@ -105,6 +105,7 @@ async def _embed(
     params: PoolingParams,
     request_id: str,
     priority: int = 0,
+    user: str | None = None,
 ) -> list[EmbeddingOutput]:
     """Every input's embedding; counted in flight (what a drain waits for) and in the
     request metrics, each input as it finishes. A cancelled call (the HTTP client went
@@ -122,7 +123,12 @@ async def _embed(
     state.num_inflight += 1
     try:
         return await state.client.embed_many(
-            prompts, params, request_ids=request_ids, priority=priority, on_output=count
+            prompts,
+            params,
+            request_ids=request_ids,
+            priority=priority,
+            tenant=user or request_id,  # whose share it uses (see ``Generation``)
+            on_output=count,
         )
     except asyncio.CancelledError:
         for _ in range(len(prompts) - finished):

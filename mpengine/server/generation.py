@@ -83,6 +83,7 @@ class Generation:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        user: str | None = None,
     ) -> None:
         self.state = state
         self.prompts = prompts
@@ -93,8 +94,13 @@ class Generation:
         self.trackers = [state.metrics.tracker(len(p), params.n, ranked) for p in prompts]
         self.refused = False
         read = state.client.stream if params.streams else self._ranked
+        # Whose share of the engine it uses: its ``user``'s, else its own (all its prompts
+        # and samples together: one HTTP request cannot take the whole engine).
+        tenant = user or request_id
         self.streams = [
-            read(prompt, params, request_id=f"{request_id}-{index}", priority=priority)
+            read(
+                prompt, params, request_id=f"{request_id}-{index}", priority=priority, tenant=tenant
+            )
             for index, prompt in enumerate(prompts)
         ]
         self.num_open = len(prompts)
@@ -106,12 +112,14 @@ class Generation:
             self.tasks = [asyncio.create_task(self._pump(i)) for i in range(len(prompts))]
 
     async def _ranked(
-        self, prompt: list[int], params: SamplingParams, request_id: str, priority: int
+        self, prompt: list[int], params: SamplingParams, request_id: str, priority: int, tenant: str
     ) -> AsyncIterator[RequestOutput]:
         """A ranked request's result as one delta per returned sample, the last one
         ``finished``; the first carries the tokens all ``best_of`` samples generated."""
         client = self.state.client
-        out = await client.generate(prompt, params, request_id=request_id, priority=priority)
+        out = await client.generate(
+            prompt, params, request_id=request_id, priority=priority, tenant=tenant
+        )
         for sample in out.outputs:
             total = out.num_generated_tokens if sample.index == 0 else 0
             yield RequestOutput(

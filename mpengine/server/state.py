@@ -53,15 +53,19 @@ class ServerState:
         message = f"the model {name!r} does not exist; this server serves {self.model_names}"
         raise APIError(404, message, "model", "model_not_found")
 
-    def check_count(self, num_prompts: int, param: str) -> None:
-        """A request of more prompts than the engine queues is a 400: a 503 "retry later"
-        would never succeed. Checked before the prompts are looked at one by one."""
-        queue = self.info.max_waiting_requests
-        if queue and num_prompts > queue:
+    def check_count(self, num_prompts: int, param: str, num_samples: int = 1) -> None:
+        """A request of more sequences (prompts times samples) than one tenant may queue
+        (an HTTP request is one, see ``Generation``; half of ``max_waiting_requests``) is
+        a 400: a 503 "retry later" would never succeed. One prompt always fits (an empty
+        queue takes it). Checked before the prompts are looked at one by one."""
+        share = self.info.max_waiting_requests // 2
+        num_seqs = num_prompts * num_samples
+        if share and num_prompts > 1 and num_seqs > share:
             raise APIError(
                 400,
-                f"{num_prompts} prompts in one request: the engine queues at most {queue} "
-                "(max_waiting_requests); send fewer per request",
+                f"{num_prompts} prompts of {num_samples} samples in one request: the engine "
+                f"queues at most {share} sequences of one request (half of "
+                f"max_waiting_requests={self.info.max_waiting_requests}); send fewer",
                 param,
             )
 
@@ -69,14 +73,16 @@ class ServerState:
         """Every prompt of a request can generate: its ids are in the vocabulary and it
         leaves room in the context. Checked before anything is submitted, so a request
         with one bad prompt of several is a 400 even when it streams (the engine would
-        refuse that prompt only once the others' first tokens were on their way)."""
+        refuse that prompt only once the others' first tokens were on their way); and
+        likewise for prompts that together exceed one tenant's share of the queue."""
         vocab, limit = self.info.vocab_size, self.info.max_model_len
-        total, most = sum(map(len, prompts)), self.info.max_waiting_tokens
-        if most and len(prompts) > 1 and total > most:  # likewise (one prompt always fits)
+        total, share = sum(map(len, prompts)), self.info.max_waiting_tokens // 2
+        if share and len(prompts) > 1 and total > share:
             raise APIError(
                 400,
-                f"{total} prompt tokens in one request: the engine queues at most {most} "
-                "(max_waiting_tokens); send fewer per request",
+                f"{total} prompt tokens in one request: the engine queues at most {share} of "
+                f"one request (half of max_waiting_tokens={self.info.max_waiting_tokens}); "
+                "send fewer per request",
                 param,
             )
         for index, prompt in enumerate(prompts):

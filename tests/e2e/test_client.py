@@ -348,10 +348,10 @@ def test_batches_larger_than_the_queue_are_fed_as_it_drains(start_engine):
 
 @pytest.mark.parametrize("max_num_seqs", [2, 8])
 def test_concurrent_batch_calls_share_the_queue(start_engine, max_num_seqs):
-    """Each batch call keeps at most four steps of ``max_num_seqs``, and a quarter of the
-    queue unless a step takes more, in flight (here 8 or 16 of a 64-request queue), so
-    three calls of 40 prompts at once fit: with half the queue each, the third was refused
-    as ``overloaded``."""
+    """Each batch call keeps at most four steps of ``max_num_seqs``, and an eighth of the
+    queue unless a step takes more, in flight (here 8 of a 64-sequence queue), so three
+    calls of 40 prompts of one client at once fit its half of the queue: with half the
+    queue each, the third was refused as ``overloaded``."""
     small = start_engine(model="tiny", max_num_seqs=max_num_seqs, max_waiting_requests=64)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 

@@ -59,7 +59,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("serve")
     hub = fake_hub_cache(root / "hub")
     flags = ["--model", HUB_ID, "--served-model-name", *NAMES, "--api-key", KEY]
-    flags += ["--max-num-seqs", "8", "--max-waiting-requests", "8"]
+    flags += ["--max-num-seqs", "8", "--max-waiting-requests", "16"]
     flags += ["--max-request-bytes", "65536", "--num-gpu-blocks-override", "256"]
     flags += ["--stream-stall-timeout", str(STALL_S)]
     env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
@@ -903,43 +903,68 @@ def test_too_large_body_is_413(server: Served) -> None:
 
 
 def test_overloaded_is_503_and_the_engine_recovers(api: openai.OpenAI, server: Served, ipc) -> None:
-    """8 running and 8 waiting at most: with both full (two long requests of 8 prompts), a
-    third request is refused with 503; a request with more prompts than the queue could
-    ever hold is a 400 (a retry would never succeed)."""
+    """8 running and 16 sequences waiting at most, one tenant (a ``user``, else one HTTP
+    request) holding half of the queue: with a user's requests running and its half
+    waiting, its next request is refused with 503 and ``Retry-After``; another user is
+    still served beside it (fair shares); a request of more prompts than one tenant may
+    ever queue is a 400 (a retry would never succeed)."""
     wait_idle(ipc, timeout=30)
-    body = {"prompt": [[1, 2, 3]] * 8, "max_tokens": 3000, "stream": True, "ignore_eos": True}
-    running = _raw_post(server, body)
-    queued = None
+    body = {"prompt": [[1, 2, 3]] * 4, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    body["user"] = "hog"
+    held: list[socket.socket] = []
     try:
-        wait_stats(ipc, lambda s: s.num_running + s.num_preempted == 8)
-        queued = _raw_post(server, body)
+        held += [_raw_post(server, body), _raw_post(server, body)]
+        wait_stats(ipc, lambda s: s.num_running == 8)
+        held += [_raw_post(server, body), _raw_post(server, body)]
         wait_stats(ipc, lambda s: s.num_waiting == 8)
         with pytest.raises(openai.APIStatusError) as error:
             openai.OpenAI(base_url=api.base_url, api_key=KEY, max_retries=0).completions.create(
-                model="tiny", prompt=[[1, 2, 3]], max_tokens=2
+                model="tiny", prompt=[[1, 2, 3]], max_tokens=2, user="hog"
             )
         assert error.value.status_code == 503
         assert error.value.body["code"] == "overloaded"
+        assert "of this tenant" in error.value.body["message"]
         assert error.value.response.headers["Retry-After"] == "1"  # when to try again
         # Refused prompts of a request of several count in no finish reason: none ran.
         aborts = ("mpengine:request_success_total", (("finished_reason", "abort"),))
         before = _metrics(server).get(aborts, 0.0)
-        status, reply = http(server, "/v1/completions", {"prompt": [[1, 2]] * 3, "max_tokens": 2})
+        more = {"prompt": [[1, 2]] * 3, "max_tokens": 2, "user": "hog"}
+        status, reply = http(server, "/v1/completions", more)
         assert status == 503 and reply["error"]["code"] == "overloaded", reply
         assert _metrics(server).get(aborts, 0.0) == before
+        other = api.completions.create(model="tiny", prompt=[[1, 2, 3]], max_tokens=2)
+        assert other.choices[0].finish_reason == "length"
+        assert ipc.stats().fair_preemptions >= 1  # a sequence of the hog's gave way
+        status, reply = http(server, "/v1/completions", {"prompt": [[1, 2]] * 9, "max_tokens": 2})
+        assert status == 400 and "half of max_waiting_requests=16" in reply["error"]["message"]
     finally:
-        running.close()
-        if queued is not None:
-            queued.close()
+        for sock in held:
+            sock.close()
     stats = wait_idle(ipc, timeout=30)
     assert stats.num_free_blocks == stats.num_blocks
-    status, reply = http(server, "/v1/completions", {"prompt": [[1, 2, 3]] * 9, "max_tokens": 2})
-    assert status == 400 and reply["error"]["param"] == "prompt", reply
-    assert "the engine queues at most 8" in reply["error"]["message"]
-    assert api.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
 
 
-# -- disconnects -------------------------------------------------------------------------------
+def test_one_request_cannot_hold_the_engine(api: openai.OpenAI, server: Served, ipc) -> None:
+    """A request whose samples take every seat for thousands of steps (one prompt, n=8,
+    3,000 tokens each) no longer makes another client's small request wait for it: that
+    one is served while the big one streams on (it waited 38 s before, at 4,000 prompts x
+    n=64: such a request is now a 400)."""
+    wait_idle(ipc, timeout=30)
+    body = {"prompt": [1, 2, 3], "n": 8, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    hog = _raw_post(server, body)
+    try:
+        wait_stats(ipc, lambda s: s.num_running == 8)
+        small = api.completions.create(model="tiny", prompt=[[4, 5, 6, 7]], max_tokens=4)
+        assert small.choices[0].finish_reason == "length"
+        stats = ipc.stats()
+        assert stats.num_running + stats.num_preempted == 8  # the big one goes on
+        assert stats.fair_preemptions >= 1
+    finally:
+        hog.close()
+    huge = {"prompt": [[1, 2, 3]] * 4000, "n": 8, "max_tokens": 3000, "stream": True}
+    status, reply = http(server, "/v1/completions", huge)
+    assert status == 400 and "4000 prompts of 8 samples" in reply["error"]["message"], reply
+    wait_idle(ipc, timeout=30)
 
 
 def _raw_post(server: Served, body: dict, path: str = "/v1/completions") -> socket.socket:

@@ -635,11 +635,19 @@ def test_a_request_beyond_the_queue_bounds_is_a_400() -> None:
     )
     state = SimpleNamespace(info=info)
     ServerState.check_prompts(state, [[5] * 900], "prompt")  # one prompt: admitted when idle
-    ServerState.check_prompts(state, [[5] * 500, [6] * 500], "prompt")
-    with pytest.raises(APIError) as refused:
-        ServerState.check_prompts(state, [[5] * 600, [6] * 600], "prompt")
+    ServerState.check_prompts(state, [[5] * 250, [6] * 250], "prompt")
+    with pytest.raises(APIError) as refused:  # more than one tenant's half of the queue
+        ServerState.check_prompts(state, [[5] * 300, [6] * 300], "prompt")
     assert refused.value.status == 400 and refused.value.param == "prompt"
     assert "max_waiting_tokens" in refused.value.message
+    info.max_waiting_requests = 128
+    ServerState.check_count(state, 1, "prompt", 100)  # one prompt: admitted when idle
+    ServerState.check_count(state, 8, "prompt", 8)
+    with pytest.raises(APIError) as refused:
+        ServerState.check_count(state, 4000, "prompt", 64)
+    assert refused.value.status == 400 and "half of max_waiting_requests=128" in str(
+        refused.value.message
+    )
 
 
 @pytest.mark.parametrize(

@@ -125,11 +125,11 @@ def test_a_hello_with_no_connection_to_take_it_never_blocks_past_the_deadline():
 @pytest.mark.parametrize(
     ("queue", "seqs", "window"),
     [
-        (4096, 256, 1024),  # the defaults: a quarter of the queue, four steps
-        (4096, 1024, 1024),  # four big calls still fit the queue
-        (128, 64, 64),  # a lone call fills a step (a quarter would be 32)
+        (4096, 256, 512),  # the defaults: an eighth of the queue, two steps
+        (4096, 1024, 1024),  # a step's worth: two big calls fit a tenant's half
+        (128, 64, 32),  # a lone call fills half a step (within a quarter of the queue)
         (64, 2, 8),  # at most four steps
-        (7, 8, 3),  # never past half the queue: the first window is not `continues`
+        (7, 8, 1),  # never past a quarter of the queue: the first window is not `continues`
         (1, 8, 1),
     ],
 )
@@ -138,4 +138,4 @@ def test_a_batch_call_window(queue: int, seqs: int, window: int) -> None:
         "e", "m", "t", 100, 4096, 16, 64, seqs, 2048, [2], "processes", 1,
         max_waiting_requests=queue, max_waiting_tokens=1 << 20,
     )  # fmt: skip
-    assert Window(info).max_requests == window
+    assert Window(info).max_seqs == window

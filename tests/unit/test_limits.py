@@ -116,18 +116,39 @@ def test_stop_token_ids_outside_the_vocabulary_are_rejected() -> None:
 def test_waiting_queue_caps_answer_overloaded() -> None:
     sched = make(max_waiting_requests=3, max_waiting_tokens=100)
     for i in range(3):
-        add(sched, f"r{i}", [5] * 10)
+        add(sched, f"r{i}", [5] * 10, client=f"c{i}")
     with pytest.raises(RequestRejected, match="max_waiting_requests=3") as info:
-        add(sched, "r3", [5] * 10)
+        add(sched, "r3", [5] * 10, client="c3")
     assert info.value.kind == "overloaded"
-    sched.abort("c", ["r0"])  # an aborted request leaves the queue
+    sched.abort("c0", ["r0"])  # an aborted request leaves the queue
     with pytest.raises(RequestRejected, match="max_waiting_tokens=100") as info:
-        add(sched, "big", [5] * 90)
+        add(sched, "big", [5] * 90, client="c3")
     assert info.value.kind == "overloaded"
-    add(sched, "small", [5] * 70)
+    add(sched, "small", [5] * 70, client="c3")
     # An empty queue takes any prompt that fits the model, whatever the token cap.
     lone = make(max_waiting_tokens=10)
     add(lone, "long", [5] * 300)
+
+
+def test_the_caps_count_sequences_and_a_tenant_takes_half_of_them() -> None:
+    """A request counts once per sample (``n``, ``best_of``, beams); one tenant (a client,
+    or a tenant a client names) may fill half the queue, so others still get in."""
+    sched = make(max_waiting_requests=8, max_waiting_tokens=1000)
+    add(sched, "wide", [5] * 10, client="a", n=4)
+    with pytest.raises(RequestRejected, match="sequences of this tenant") as info:
+        add(sched, "more", [5] * 10, client="a")
+    assert info.value.kind == "overloaded"
+    named = AddRequest("named", Array.of([5] * 10), SamplingParams(n=3), tenant="user-1")
+    sched.add_request(named, "a")  # the same client, another tenant
+    with pytest.raises(RequestRejected, match=r"7 sequences are waiting \(max_waiting_requests=8"):
+        add(sched, "two", [5] * 10, client="b", n=2)
+    add(sched, "one", [5] * 10, client="b")
+    assert sched.waiting.num_seqs == 8 and sched.waiting.num_requests == 3
+    tokens = make(max_waiting_tokens=100)
+    add(tokens, "half", [5] * 50, client="a")
+    with pytest.raises(RequestRejected, match="prompt tokens of this tenant"):
+        add(tokens, "over", [5] * 10, client="a")
+    add(tokens, "other", [5] * 50, client="b")
 
 
 def test_a_batch_call_under_way_goes_on_past_the_caps_up_to_twice_them() -> None:
@@ -138,12 +159,12 @@ def test_a_batch_call_under_way_goes_on_past_the_caps_up_to_twice_them() -> None
 
     def more(request_id: str, size: int = 10) -> None:
         request = AddRequest(request_id, Array.of([5] * size), SamplingParams(), continues=True)
-        sched.add_request(request, "c")
+        sched.add_request(request, "batch")
 
     for i in range(3):
-        add(sched, f"r{i}", [5] * 10)
+        add(sched, f"r{i}", [5] * 10, client=f"c{i}")
     with pytest.raises(RequestRejected, match="max_waiting_requests=3"):
-        add(sched, "new", [5] * 10)
+        add(sched, "new", [5] * 10, client="c3")
     for i in range(3):
         more(f"more{i}")
     with pytest.raises(RequestRejected, match="max_waiting_requests=3") as info:
@@ -152,12 +173,12 @@ def test_a_batch_call_under_way_goes_on_past_the_caps_up_to_twice_them() -> None
     tokens = make(max_waiting_requests=10, max_waiting_tokens=100)
     add(tokens, "r", [5] * 90)
     with pytest.raises(RequestRejected, match="max_waiting_tokens=100"):
-        add(tokens, "new", [5] * 20)
+        add(tokens, "new", [5] * 20, client="d")
     more_tokens = AddRequest("more", Array.of([5] * 100), SamplingParams(), continues=True)
-    tokens.add_request(more_tokens, "c")
+    tokens.add_request(more_tokens, "batch")
     with pytest.raises(RequestRejected, match="max_waiting_tokens=100"):
         too_many = AddRequest("more2", Array.of([5] * 20), SamplingParams(), continues=True)
-        tokens.add_request(too_many, "c")
+        tokens.add_request(too_many, "batch")
 
 
 def test_request_ids_are_scoped_to_their_client() -> None:
@@ -176,7 +197,7 @@ def test_request_ids_are_scoped_to_their_client() -> None:
 
 
 def test_mass_abort_is_announced_in_bounded_frames() -> None:
-    sched = make(max_waiting_requests=5000)
+    sched = make(max_waiting_requests=6000)
     ids = [f"{i:0200d}" for i in range(3000)]
     for request_id in ids:
         add(sched, request_id, [5, 6])
