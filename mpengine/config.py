@@ -124,6 +124,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     advertise_host: str | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     startup_timeout: Annotated[float, Meta(gt=0, le=WEEK_S)] = 300.0
+    # A stage that dies is restarted (the output processor), at most this many times in
+    # ``stage_restart_window_s``; past it the engine dies (EngineDeadError). 0: never.
+    max_stage_restarts: Annotated[int, Meta(ge=0, le=1000)] = 3
+    stage_restart_window_s: Annotated[float, Meta(gt=0, le=WEEK_S)] = 60.0
     trace: str | None = None
     generation_config: str = "auto"
 
@@ -254,6 +258,9 @@ HELP = {
     "wildcard (default: the host the client used for requests)",
     "log_level": "log level of every stage (DEBUG logs each scheduling decision)",
     "startup_timeout": "seconds to wait for the stages to load and report ready",
+    "max_stage_restarts": "restarts of a stage that died (the output processor) allowed in "
+    "--stage-restart-window-s; past them the engine dies (0: never restart)",
+    "stage_restart_window_s": "the window --max-stage-restarts counts restarts in",
     "generation_config": "default sampling parameters of requests that leave them out: auto "
     "(the model directory's generation_config.json: temperature, top_p, top_k, min_p, "
     "repetition_penalty, max_new_tokens as max_tokens, as vLLM reads them), none (the "

@@ -66,7 +66,8 @@ from mpengine.protocol import (
     encoder,
 )
 from mpengine.runtime.engine_file import ENGINE_FILE, RUNTIME_DIR_GLOB, write_engine_file
-from mpengine.runtime.stage import ABORT_SIGNAL, DRAIN_SIGNAL, STOP_SIGNAL
+from mpengine.runtime.restarts import RESTARTABLE, Restarts, exit_cause
+from mpengine.runtime.stage import ABORT_SIGNAL, DRAIN_SIGNAL, RESYNC_SIGNAL, STOP_SIGNAL
 from shm import Lockstep, Ring, sweep_stale
 from shm.reaper import Leftovers, Reaper, remove_ipc_files
 from shm.segment import free_space as shm_free_bytes
@@ -366,6 +367,10 @@ class Engine:
         self._pid = os.getpid()  # a forked child's copy must not stop its parent's engine
         self.model: ModelInfo | None = None
         self.dead: str | None = None
+        # Stages restarted after they died (``restarts.py``); the one restarting now.
+        self.restarts = Restarts(config.max_stage_restarts, config.stage_restart_window_s)
+        self.recovering: str | None = None
+        self.generation = 0  # the output processor's: restarts so far
         self._stopping = threading.Event()
         self._stop_lock = threading.Lock()
         self.stopped = threading.Event()  # set once the stages are gone and cleaned up
@@ -546,15 +551,19 @@ class Engine:
     # -- supervise ------------------------------------------------------------------------
 
     def _supervise(self) -> None:
-        sentinels = {p.sentinel: name for name, p in self.processes.items()}
-        ready = wait(list(sentinels))
+        while True:
+            sentinels = {p.sentinel: name for name, p in self.processes.items()}
+            ready = wait(list(sentinels))
+            if self._stopping.is_set():
+                return
+            name = sentinels[ready[0]]
+            reason = f"the {name} stage died ({exit_cause(self.processes[name].exitcode)})"
+            if (message := self._failure_of(name)) is not None:
+                reason += f": {message}"
+            if not self._restart(name, reason):
+                break
         if self._stopping.is_set():
             return
-        name = sentinels[ready[0]]
-        code = self.processes[name].exitcode
-        reason = f"the {name} stage died (exit code {code})"
-        if (message := self._failure_of(name)) is not None:
-            reason += f": {message}"
         self.dead = reason
         logger.error("%s: stopping the engine", reason)
         self._end_clients(reason)
@@ -562,6 +571,48 @@ class Engine:
             callback(reason)
         self._stop_all(grace=0.5)
         atexit.unregister(self.shutdown)  # stopped: nothing left for the exit hook to do
+
+    def _restart(self, stage: str, reason: str) -> bool:
+        """Start ``stage`` again in place of the one that died (``restarts.py``), as long
+        as the limit allows (a start that fails is one more); whether it runs again."""
+        while self.restarts.allow(stage) and not self._stopping.is_set():
+            count = self.restarts.record(stage)
+            self.recovering = stage
+            logger.error("%s: restarting it (restart %d)", reason, count)
+            try:
+                self._respawn(stage)
+            except (EngineStartError, OSError) as exc:
+                reason = f"{reason}; its restart failed ({exc})"
+                continue
+            finally:
+                self.recovering = None
+            logger.info("%s stage restarted (pid %d)", stage, self.processes[stage].pid)
+            return True
+        if stage in RESTARTABLE and not self._stopping.is_set():
+            limit, window = self.config.max_stage_restarts, self.config.stage_restart_window_s
+            logger.error("%s: no more restarts (at most %d in %g s)", stage, limit, window)
+        return False
+
+    def _respawn(self, stage: str) -> None:
+        """The output processor again, of the next generation: the scheduler re-announces
+        every request for it (``RESYNC_SIGNAL``), its clients connect to it by themselves."""
+        old = self.processes[stage]
+        old.join(0)
+        old.close()
+        self.generation += 1
+        self._signal_scheduler(RESYNC_SIGNAL)
+        wiring = msgspec.structs.replace(self.wiring, generation=self.generation)
+        with self._stop_lock:
+            if self._stopping.is_set():
+                raise EngineStartError("the engine is stopping")
+            proc = self.processes[stage] = StageProcess(stage, self.runtime_dir)
+        proc.conn.send_bytes(self.config.encode())
+        proc.conn.send_bytes(encoder.encode(wiring))
+        proc.conn.send_bytes(encoder.encode(self.model))
+        self._wait_ready((stage,))
+        if self._ipc_dir is not None:
+            record = dict(pid=os.getpid(), runtime_dir=self.runtime_dir, stages=self.pids)
+            write_engine_file(self._ipc_dir, record)
 
     def _failure_of(self, stage: str) -> str | None:
         """What a stage that raised reported before it left (None when it was killed)."""

@@ -240,11 +240,20 @@ class EngineCollector(Collector):
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.stats: EngineStats | None = None
+        self.restarts: dict[str, int] = {}  # stages restarted by the launcher, and how often
 
     def update(self, stats: EngineStats) -> None:
         self.stats = stats
 
     def collect(self) -> Iterator[Metric]:
+        restarts = CounterMetricFamily(
+            PREFIX + "stage_restarts",
+            "Stages restarted after they died, by stage.",
+            labels=["model_name", "stage"],
+        )
+        for stage in ("scheduler", "executor", "output"):
+            restarts.add_metric([self.model_name, stage], self.restarts.get(stage, 0))
+        yield restarts
         stats = self.stats
         if stats is None:
             return

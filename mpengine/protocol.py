@@ -631,6 +631,8 @@ class EngineStats(msgspec.Struct, **_WIRE):
     # for one under it (also counted in ``preemptions``).
     num_tenants: int = 0
     fair_preemptions: int = 0
+    # Requests re-announced to a restarted output processor, in all (one per restart).
+    resyncs: int = 0
 
 
 # Buckets of the tokens computed in one step (vLLM's, for iteration_tokens_total).
@@ -665,6 +667,10 @@ class OutputDelta(msgspec.Struct, **_WIRE):
     index: int  # which of the n samples
     token_ids: Array
     text: str
+    # After an output processor's restart (see ``Resync``): how many of the sample's tokens
+    # came before these (0 with ``text`` from the start: a replay of everything so far);
+    # the client keeps what it lacks. -1: simply the next ones.
+    num_prior_tokens: int = -1
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
     logprobs: Logprobs | None = None
@@ -721,7 +727,28 @@ class AbortRequests(msgspec.Struct, **_WIRE):
     message: str = ""
 
 
-Announcement = NewRequest | AbortRequests
+class ResyncRequest(msgspec.Struct, **_WIRE):
+    """A request as the scheduler knows it, for a restarted output processor: its
+    announcement and each sample's output tokens fed back so far (an ended sample's are
+    not needed: it is listed in ``ended``)."""
+
+    request: NewRequest
+    outputs: list[Array]
+    ended: list[int] = []  # indexes of the samples that have ended
+
+
+class Resync(msgspec.Struct, **_WIRE):
+    """The output processor was restarted: every request announced and not ended, in
+    frames of bounded size (``last`` on the final one). Steps up to ``done`` were fed back:
+    their results, if still in the result ring, are not processed again."""
+
+    generation: int  # of the output processor it is for
+    done: int
+    requests: list[ResyncRequest]
+    last: bool = True
+
+
+Announcement = NewRequest | AbortRequests | Resync
 
 
 # -- scheduler -> executor (plan ring) ---------------------------------------------------
@@ -870,6 +897,9 @@ class Wiring(msgspec.Struct, **_WIRE):
     feedback_ring: str = ""
     announce_ring: str = ""
     lockstep: str = ""
+    # The output processor's generation: 0 first, then one more at each restart (it takes
+    # the ``Resync`` of its own generation).
+    generation: int = 0
 
 
 class ModelInfo(msgspec.Struct, **_WIRE):

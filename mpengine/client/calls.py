@@ -268,7 +268,8 @@ class Calls(ClientBase):
         try:
             while not request.finished:
                 _, item = yield functools.partial(inbox.get, deadline, request.expect(deadline))
-                yield Emit(request.take(item))
+                if (delta := request.take(item)) is not None:
+                    yield Emit(delta)
         finally:
             cancel([request])
 

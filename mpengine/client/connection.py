@@ -4,10 +4,11 @@
 Callers never touch a socket: they queue frames in an outbox and wake the thread through a
 pipe; the thread hands deltas and replies to per-request *sinks* (callables). One failing
 delivery (a closed event loop, a frame that does not decode) fails only the requests
-involved. A disconnect of either engine socket means the engine died: every pending request
-fails with ``EngineDeadError``. When the thread stops (close, engine death, or the client
-object garbage-collected) it aborts what is pending, in frames of at most
-``ABORT_CHUNK_BYTES``, and closes its own sockets.
+involved. A disconnect of the scheduler's socket means the engine died: every pending request
+fails with ``EngineDeadError``; the output socket alone may go down while the engine restarts
+its output processor, for at most ``OUTPUTS_RETURN_S``. When the thread stops (close,
+engine death, or the client object garbage-collected) it aborts what is pending, in frames
+of at most ``ABORT_CHUNK_BYTES``, and closes its own sockets.
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ MAX_FRAMES_PER_TURN = 1000  # frames read from one socket before serving the oth
 # waits this long for the launcher's word on why (a stage's error) before a generic one.
 LAUNCHER_WORD_S = 1.0
 MAX_CLIENT_ID_BYTES = 200  # a caller's client name (ZMQ routing ids: 255 bytes at most)
+# How long the output connection may stay down while the scheduler's is up (the engine
+# restarts a dead output processor: it serves again within seconds) before the engine
+# counts as dead.
+OUTPUTS_RETURN_S = 60.0
 
 
 def abort_frames(request_ids: Iterable[str], max_bytes: int = ABORT_CHUNK_BYTES) -> list[bytes]:
@@ -162,6 +167,7 @@ class Connection:
         self._ending: tuple[type[Exception], str] | None = None  # set once: no more sends
         self._abandoned = False
         self.supervised = False  # see mark_supervised
+        self._outputs_down: float | None = None  # since when the output connection is down
         self._pid = os.getpid()
         deadline = Deadline(timeout)
         hello = encoder.encode(Hello(self.routing_id))
@@ -346,12 +352,19 @@ class Connection:
                 self._receive(outputs.sock, deltas, self._on_output)
             if requests.sock in events:
                 self._receive(requests.sock, replies, self._on_reply)
-            if (requests.monitor in events and requests.disconnected()) or (
-                outputs.monitor in events and outputs.disconnected()
-            ):
+            if requests.monitor in events and requests.link() is False:
                 if self.supervised:
                     self._await_launcher()
                 self._end(EngineDeadError, "the engine closed its connection (it stopped or died)")
+            if outputs.monitor in events and (up := outputs.link()) is not None:
+                # The output processor alone: the engine restarts it, and its requests go
+                # on (the scheduler's connection, closed too, says when the engine died).
+                self._outputs_down = None if up else time.monotonic()
+            if self._outputs_down and time.monotonic() - self._outputs_down > OUTPUTS_RETURN_S:
+                self._end(
+                    EngineDeadError,
+                    f"the engine's output processor did not come back in {OUTPUTS_RETURN_S:g} s",
+                )
             self._flush()  # aborts of requests whose delivery failed
 
     def _await_launcher(self) -> None:

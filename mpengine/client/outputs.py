@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from mpengine.errors import RequestFailedError
-from mpengine.protocol import AddRequest, Logprobs, OutputDelta
+from mpengine.protocol import AddRequest, Array, Logprobs, OutputDelta
 
 
 @dataclass(slots=True)
@@ -120,12 +121,17 @@ class Assembly:
         # Each sample's text, joined once it has finished (adding each delta's to a string
         # copied the whole text each time: 0.2 s at 32k tokens).
         self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.num_chars = [0] * n  # of each sample's text
         self.num_open = n
         self.embedding: np.ndarray | None = None  # a pooling request's result
         self.num_prompt_tokens = 0  # as the engine counted them (on the final delta)
 
-    def add(self, delta: OutputDelta) -> RequestOutput:
-        """Apply a delta; return it as a RequestOutput holding only what is new."""
+    def add(self, delta: OutputDelta) -> RequestOutput | None:
+        """Apply a delta; return it as a RequestOutput holding only what is new (None when
+        nothing is: a restarted output processor repeats what this may have had)."""
+        if delta.num_prior_tokens >= 0 and (delta := self._unseen(delta)) is None:
+            return None
+        self.num_chars[delta.index] += len(delta.text)
         out = self.output.outputs[delta.index]
         new = CompletionOutput(delta.index, delta.text, delta.token_ids.numpy().tolist())
         self.texts[delta.index].append(delta.text)
@@ -175,6 +181,22 @@ class Assembly:
             self.output.prompt_logprobs if fresh else None,
             self.output.metrics,
             prompt_logprob_ranks=self.output.prompt_logprob_ranks if fresh else None,
+        )
+
+    def _unseen(self, delta: OutputDelta) -> OutputDelta | None:
+        """What of a numbered delta (``num_prior_tokens``, after an output processor's
+        restart) this has not had yet. One numbered 0 carries the text from the start (a
+        replay), so its text past what this has is new; a later one's tokens were all had
+        with its text, or none of them were."""
+        had = len(self.output.outputs[delta.index].token_ids) - delta.num_prior_tokens
+        if had <= 0:
+            return delta
+        ids = delta.token_ids.numpy()
+        text = delta.text[self.num_chars[delta.index] :] if delta.num_prior_tokens == 0 else ""
+        if had >= len(ids) and not text and delta.finish_reason is None:
+            return None
+        return msgspec.structs.replace(
+            delta, token_ids=Array.of(ids[had:].tolist()), text=text, logprobs=None
         )
 
     def embedding_output(self) -> EmbeddingOutput:

@@ -78,13 +78,14 @@ class Request:
         """The finished pooling request's result, or ``RequestFailedError``."""
         return self.assembly.embedding_output()
 
-    def take(self, item: OutputDelta | BaseException) -> RequestOutput:
-        """Read one delta (the error that ended the request raises)."""
+    def take(self, item: OutputDelta | BaseException) -> RequestOutput | None:
+        """Read one delta (the error that ended the request raises); None when it holds
+        nothing new."""
         if isinstance(item, BaseException):
             self.conn.forget(self.request_id, self.wire_id)
             raise item
         delta = self.assembly.add(item)
-        if delta.finished:
+        if delta is not None and delta.finished:
             self.conn.forget(self.request_id, self.wire_id)
         return delta
 

@@ -29,6 +29,7 @@ TCP_HEARTBEAT_MS = 2000  # ZMTP pings: a vanished remote engine counts as a disc
 TCP_HEARTBEAT_TIMEOUT_MS = 20000  # ...after this long without an answer
 MONITOR_EVENTS = (
     zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -210,8 +211,16 @@ class Dealer:
                 return events
             events.append((int(msg["event"]), int(msg["value"])))
 
-    def disconnected(self) -> bool:
-        return any(event == zmq.EVENT_DISCONNECTED for event, _ in self.events())
+    def link(self) -> bool | None:
+        """Whether the connection is up (False: it went down) as of the latest of the
+        events waiting now; None when none says."""
+        state = None
+        for event, _ in self.events():
+            if event == zmq.EVENT_DISCONNECTED:
+                state = False
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                state = True
+        return state
 
     def close(self, linger_ms: int = 0) -> None:
         """Close both sockets; ``linger_ms``: how long queued frames may still go out (in

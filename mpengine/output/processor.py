@@ -50,6 +50,7 @@ from mpengine.protocol import (
     NewRequest,
     OutputDelta,
     PromptLogprobs,
+    Resync,
     StepResult,
 )
 
@@ -136,6 +137,9 @@ class OutputProcessor:
         self._gone: OrderedDict[str, None] = OrderedDict()
         self._gone_news: list[str] = []
         self._id_arrays: dict[int, Array] = {}  # token id -> its one-element Array
+        # Restarted (a ``Resync`` came): deltas say where they start, as the client may
+        # have some of their tokens already.
+        self.numbered = False
 
     @property
     def num_unfinished(self) -> int:
@@ -144,13 +148,16 @@ class OutputProcessor:
 
     # -- announcements and clients -------------------------------------------------------
 
-    def announce(self, msg: NewRequest | AbortRequests) -> list[Output]:
-        """Register a new request, or end aborted ones (returning their final deltas).
+    def announce(self, msg: NewRequest | AbortRequests | Resync) -> list[Output]:
+        """Register a new request, end aborted ones (returning their final deltas), or
+        carry on from a predecessor (``resync``).
 
         Aborts come from the scheduler, which already freed the sequences: they are not
         reported back in the feedback. Unknown request ids are ignored.
         """
         match msg:
+            case Resync():
+                return self.resync(msg)
             case NewRequest():
                 self._register(msg)
                 if msg.client_id in self._gone:  # queued before the scheduler heard of it
@@ -168,6 +175,52 @@ class OutputProcessor:
                         delta.error = msg.message or None
                         outputs += self._emit(seq, delta)
                 return outputs
+
+    def resync(self, msg: Resync) -> list[Output]:
+        """Carry on from a predecessor that died: register each request the scheduler
+        lists (replacing one registered from an announcement it had not read), replay each
+        open sample's tokens through the detokenizer and stop checks, and send each one
+        everything so far (``num_prior_tokens=0``: the client keeps what it lacks)."""
+        self.numbered = True
+        now = time.time()
+        outputs: list[Output] = []
+        for entry in msg.requests:
+            new = entry.request
+            key = (new.client_id, new.request_id)
+            if (old := self._requests.get(key)) is not None:
+                for seq in self._open_seqs(old):
+                    del self._seqs[seq.seq_id]
+                del self._requests[key]
+                self._by_client[new.client_id].discard(key)
+            self._register(new)
+            request = self._requests.get(key)
+            if request is None:
+                continue
+            for index in entry.ended:
+                del self._seqs[new.seq_ids[index]]
+                request.num_open -= 1
+            if request.beams is not None or request.ranked is not None:
+                continue  # not replayable: the scheduler fails it next (``resync.py``)
+            for seq in self._open_seqs(request):
+                tokens = entry.outputs[seq.index].numpy().tolist()
+                if not tokens:
+                    continue
+                if seq.index == 0:
+                    request.prompt_logprobs_due = False  # sent with the first token
+                text = []
+                for token_id in tokens:
+                    delta = self._on_token(seq, token_id, now)
+                    text.append(delta.text)
+                    if delta.finish_reason is not None:  # (fed back before, never: defensive)
+                        self._dropped.append(seq.seq_id)
+                        break
+                replay = msgspec.structs.replace(
+                    delta, token_ids=Array.of(seq.token_ids), text="".join(text)
+                )
+                replay.num_prior_tokens = 0
+                outputs += self._emit(seq, replay)
+        log.info("carrying on with %d requests", len(msg.requests))
+        return outputs
 
     def abort_client(self, client_id: str, message: str) -> list[Output]:
         """End every request of a client here (it stopped reading, or is gone); return the
@@ -263,6 +316,8 @@ class OutputProcessor:
                 step.accepted_seqs.append(seq_id)
                 step.accepted_tokens.append(token_id)
                 delta = self._on_token(seq, token_id, step.now)
+                if self.numbered:
+                    delta.num_prior_tokens = len(seq.token_ids) - 1
                 if logprobs is not None and row is not None:
                     if request.num_logprobs is not None:
                         delta.logprobs = logprob_row(logprobs, row, request.num_logprobs)

@@ -50,6 +50,9 @@ TOKENIZER_REPLIES = 4  # tokenizer files sent to one client at most
 TOKENIZER_CLIENTS = 4096  # clients whose tokenizer replies are counted (the latest ones)
 MAX_PENDING_REPLY_BYTES = 64 << 20  # replies kept for one client that does not read yet
 BACKLOG_POLL_S = 0.002  # how soon kept replies are tried again
+# How long a restarted output processor keeps the deltas of clients not connected (yet):
+# theirs connect again within a second or so.
+CLIENTS_RETURN_S = 10.0
 BACKLOG_STALL_S = 60.0  # a client that reads none of them for this long gets them no more
 
 logger = logging.getLogger(__name__)
@@ -220,12 +223,17 @@ class FrontDoor:
 class OutputDoor:
     """Greetings and deltas to clients, for an output processor (see the module doc)."""
 
-    def __init__(self, edge: Edge, processor, config: EngineConfig) -> None:
+    def __init__(
+        self, edge: Edge, processor, config: EngineConfig, restarted: bool = False
+    ) -> None:
         self.edge = edge
         self.processor = processor
         self.hello = encoder.encode(Hello(config.engine_id))
         self.decoder = msgspec.msgpack.Decoder(Hello)
         self.backlog: dict[str, list[OutputDelta]] = {}  # clients that stopped reading
+        # A restarted output processor: its predecessor's clients are still connecting
+        # again; until then one not (yet) there keeps its deltas instead of being gone.
+        self.returning_until = time.monotonic() + CLIENTS_RETURN_S if restarted else 0.0
 
     def greet(self) -> None:
         """Answer every greeting waiting now (clients send nothing else to this edge)."""
@@ -247,6 +255,8 @@ class OutputDoor:
         if self.backlog:
             self._flush_backlog(batches)
         for client_id, sent in self.edge.send_outputs(batches).items():
+            if sent is Sent.GONE and self._returning(client_id, batches[client_id]):
+                continue
             if sent is Sent.GONE:
                 if self.processor.drop_client(client_id):
                     logger.info("client %s is gone: aborting its requests", client_id)
@@ -267,10 +277,19 @@ class OutputDoor:
             if sent is Sent.OK:
                 del self.backlog[client_id]
             elif sent is Sent.GONE:
-                del self.backlog[client_id]
-                self.processor.drop_client(client_id)
+                if not self._returning(client_id, pending):
+                    del self.backlog[client_id]
+                    self.processor.drop_client(client_id)
             else:  # still not reading: whatever it asked for since is aborted as well
                 self._abort(client_id, pending)
+
+    def _returning(self, client_id: str, pending: list[OutputDelta]) -> bool:
+        """Whether a client found gone may still be connecting again to this restarted
+        output processor: then its deltas wait in the backlog."""
+        if time.monotonic() >= self.returning_until:
+            return False
+        self.backlog[client_id] = pending
+        return True
 
     def _abort(self, client_id: str, unsent: list[OutputDelta]) -> None:
         """Abort the client's requests; keep what it did not get, only final deltas are kept

@@ -29,9 +29,11 @@ import msgspec
 
 from mpengine.config import EngineConfig
 from mpengine.protocol import (
+    Announcement,
     EngineInfo,
     ModelInfo,
     OutputDelta,
+    Resync,
     Wiring,
     announcement_decoder,
     encoder,
@@ -190,7 +192,11 @@ def scheduler_loop(
     scheduler: Scheduler, front: FrontDoor, links: Links, lag: int, clock: Clock, stop: StopFlag
 ) -> None:
     plans, announces, feedbacks, done = links.plans, links.announces, links.feedbacks, links.done
+    generation = 0  # of the output processor announced to
     while not stop:
+        if (asked := type(scheduler).resyncs_asked) != generation:  # it was restarted
+            generation = asked
+            resync_output(scheduler, links, generation)
         # 1. requests and aborts (wait for them only when there is nothing else to do)
         in_flight = scheduler.done < scheduler.next_step - 1
         idle = not scheduler.has_unfinished and not in_flight
@@ -241,6 +247,17 @@ def scheduler_loop(
             clock.idle()
 
 
+def resync_output(scheduler: Scheduler, links: Links, generation: int) -> None:
+    """A restarted output processor carries on from what the scheduler knows: apply every
+    feedback its predecessor wrote, then announce each request's state (``Resync``)."""
+    feedbacks, announces = links.feedbacks, links.announces
+    while (frame := feedbacks.try_get()) is not None:
+        scheduler.apply_feedback(feedbacks.decode(frame))
+    scheduler.resync(generation)
+    for announcement in scheduler.take_announcements():
+        announces.put(announces.encode(announcement))
+
+
 def executor_loop(executor: Executor, links: Links, clock: Clock, stop: StopFlag) -> None:
     plans, results, done = links.plans, links.results, links.done
     last_step = 0
@@ -273,7 +290,12 @@ def executor_loop(executor: Executor, links: Links, clock: Clock, stop: StopFlag
 
 
 def output_loop(
-    processor: OutputProcessor, door: OutputDoor, links: Links, clock: Clock, stop: StopFlag
+    processor: OutputProcessor,
+    door: OutputDoor,
+    links: Links,
+    clock: Clock,
+    stop: StopFlag,
+    generation: int = 0,
 ) -> None:
     results, announces, feedbacks, done = (
         links.results,
@@ -281,11 +303,26 @@ def output_loop(
         links.feedbacks,
         links.done,
     )
+    # A restarted output processor learns every request from the scheduler (the
+    # ``Resync`` of its generation; one for a predecessor that died starting is stale)
+    # before it reads a result.
+    awaiting = generation > 0
+
+    def announced(msg: Announcement) -> list[tuple[str, OutputDelta]]:
+        nonlocal awaiting
+        if isinstance(msg, Resync) and msg.generation != generation:
+            return []
+        deltas = processor.announce(msg)
+        if isinstance(msg, Resync) and msg.last:
+            awaiting = False
+            if msg.done > done.value:  # (fed back, but the counter was not moved yet)
+                done.advance_to(msg.done)
+        return deltas
 
     def drain_announcements() -> list[tuple[str, OutputDelta]]:
         deltas = []
         while (frame := announces.try_get()) is not None:
-            deltas += processor.announce(announces.decode(frame))
+            deltas += announced(announces.decode(frame))
         return deltas
 
     while not stop:
@@ -293,33 +330,46 @@ def output_loop(
         door.greet()
         door.send(drain_announcements())
         clock.work(OUTPUT, "greet")
+        if awaiting:
+            try:
+                with announces.get_view(POLL_S) as frame:
+                    msg = announces.decode(frame)
+            except TimeoutError:
+                continue
+            door.send(announced(msg))
+            continue
         # 2. the next result (while a request is open, one is on its way: a wait, not idle)
         try:
-            with results.get_view(POLL_S) as frame:
-                clock.wait(OUTPUT, "result_ring")
-                result = results.decode(frame)
+            view = results.get_view(POLL_S)
         except TimeoutError:
             if processor.num_unfinished:
                 clock.wait(OUTPUT, "result_ring")
             else:
                 clock.idle()
             continue
-        clock.begin_step(OUTPUT, result.step)
-        # 3. its announcements were written before its plan, so they are all here now
-        deltas = drain_announcements()
-        feedback, step_deltas = processor.process(result)
-        clock.work(OUTPUT, "process")
-        # 4. feedback (carrying the executor's totals and ours), then the counter: the
-        # scheduler may now plan on this step
-        feedback.times = {**result.times, **clock.snapshot()}
-        frame = feedbacks.encode(feedback)
-        clock.work(OUTPUT, "encode")
-        feedbacks.put(frame)
-        done.advance_to(result.step)
-        clock.wait(OUTPUT, "feedback_ring")
-        # 5. stream the deltas
-        door.send(deltas + step_deltas)
-        clock.work(OUTPUT, "send")
+        # The result stays in the ring until its feedback is out: if this process dies
+        # before, its successor finds it there (one fed back already it skips).
+        with view as frame:
+            clock.wait(OUTPUT, "result_ring")
+            result = results.decode(frame)
+            if result.step <= done.value:
+                continue
+            clock.begin_step(OUTPUT, result.step)
+            # 3. its announcements were written before its plan, so they are all here now
+            deltas = drain_announcements()
+            feedback, step_deltas = processor.process(result)
+            clock.work(OUTPUT, "process")
+            # 4. the deltas, then the feedback (carrying the executor's totals and ours) and
+            # the counter: what is fed back has been sent, so a successor replays from the
+            # scheduler's tokens only what its client may lack.
+            door.send(deltas + step_deltas)
+            clock.work(OUTPUT, "send")
+            feedback.times = {**result.times, **clock.snapshot()}
+            frame = feedbacks.encode(feedback)
+            clock.work(OUTPUT, "encode")
+            feedbacks.put(frame)
+            done.advance_to(result.step)
+            clock.wait(OUTPUT, "feedback_ring")
         clock.end_step(OUTPUT)
 
 
@@ -375,9 +425,9 @@ def run_output(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
     )
     edge = output_edge(config, wiring)
     with _stage(config, OUTPUT, links, edge) as clock:
-        door = OutputDoor(edge, processor, config)
+        door = OutputDoor(edge, processor, config, restarted=wiring.generation > 0)
         control.ready()
-        output_loop(processor, door, links, clock, stop)
+        output_loop(processor, door, links, clock, stop, wiring.generation)
 
 
 @contextlib.contextmanager

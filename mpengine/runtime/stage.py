@@ -29,6 +29,7 @@ DRAIN_SIGNAL = signal.SIGUSR1  # scheduler: refuse new requests, let admitted on
 ABORT_SIGNAL = signal.SIGRTMIN  # scheduler: abort every unfinished request (queued, not merged)
 STACKS_SIGNAL = signal.SIGUSR2  # any stage: dump every thread's Python stack (faulthandler)
 STOP_SIGNAL = signal.SIGRTMIN + 1  # any stage: stop (what the launcher sends)
+RESYNC_SIGNAL = signal.SIGRTMIN + 2  # scheduler: the output processor was restarted
 
 
 STOP_POLL_S = 0.05  # how often a stage waiting to start looks at its stop flag
@@ -108,8 +109,9 @@ def install_signals(stage: str, stop: StopFlag, runtime_dir: str | None, parent_
     ``timeout``, ``kill -- -PGID`` or a service manager, reach the launcher's whole process
     group: the launcher decides (``mpengine serve`` drains first) and stops the stages, so
     while it lives a stage leaves SIGINT and SIGTERM to it (a stage dies with its launcher
-    anyway). The scheduler obeys the drain signals (``Scheduler.draining``, ``.aborting``:
-    checked at safe points of its loop, never acted on inside the handler). Every stage
+    anyway). The scheduler obeys the drain signals (``Scheduler.draining``, ``.aborting``)
+    and the output processor's restarts (``.resyncs_asked``), checked at safe points of its
+    loop, never acted on inside the handler. Every stage
     dumps its threads' stacks into ``RUNTIME_DIR/stacks-STAGE.txt`` on ``STACKS_SIGNAL``,
     even while stuck in C code."""
 
@@ -129,8 +131,12 @@ def install_signals(stage: str, stop: StopFlag, runtime_dir: str | None, parent_
         def abort(*_: object) -> None:
             Scheduler.draining = Scheduler.aborting = True
 
+        def resync(*_: object) -> None:
+            Scheduler.resyncs_asked += 1
+
         signal.signal(DRAIN_SIGNAL, drain)
         signal.signal(ABORT_SIGNAL, abort)
+        signal.signal(RESYNC_SIGNAL, resync)
     if runtime_dir:
         stacks = open(os.path.join(runtime_dir, f"stacks-{stage}.txt"), "a")  # noqa: SIM115
         faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)

@@ -15,12 +15,13 @@ from mpengine.protocol import (
     PROMPT_TAIL_TOKENS,
     AbortRequests,
     Array,
+    FinishReason,
     NewRequest,
     RequestParams,
     StepPlan,
 )
 from mpengine.scheduler.beams import beam_candidates
-from mpengine.scheduler.request import Request
+from mpengine.scheduler.request import Request, Sequence
 from mpengine.scheduler.step import StepBatch
 
 
@@ -83,8 +84,11 @@ def request_params(request: Request, eos_token_ids: Iterable[int]) -> RequestPar
     )
 
 
-def new_request(request: Request) -> NewRequest:
-    """The announcement of ``request``, scheduled now."""
+def new_request(
+    request: Request, scheduled_time: float | None = None, seqs: list[Sequence] | None = None
+) -> NewRequest:
+    """The announcement of ``request``, scheduled now (or at ``scheduled_time``), of its
+    sequences (or ``seqs``: a finished request has let go of its own)."""
     sampling = request.sampling
     prompt_ids = tail = None
     if request.wants_prompt_logprobs:
@@ -96,29 +100,31 @@ def new_request(request: Request) -> NewRequest:
     return NewRequest(
         request_id=request.request_id,
         client_id=request.client_id,
-        seq_ids=[seq.seq_id for seq in request.seqs],
+        seq_ids=[seq.seq_id for seq in (request.seqs if seqs is None else seqs)],
         num_prompt_tokens=request.num_prompt_tokens,
         sampling=sampling,
         pooling=request.pooling,
         arrival_time=request.arrival_time,
-        scheduled_time=time.time(),
+        scheduled_time=time.time() if scheduled_time is None else scheduled_time,
         prompt_token_ids=prompt_ids,
         prompt_tail=tail,
     )
 
 
-def aborted_requests(client_id: str, request_ids: list[str]) -> list[AbortRequests]:
+def aborted_requests(
+    client_id: str, request_ids: list[str], reason: FinishReason = "abort", message: str = ""
+) -> list[AbortRequests]:
     """The announcements of a client's aborted requests, in frames of bounded size (a
-    client may abort thousands of long ids at once)."""
+    client may abort thousands of long ids at once); ``reason``: their finish reason."""
     frames: list[AbortRequests] = []
     chunk: list[str] = []
     size = 0
     for request_id in request_ids:
         if chunk and size + len(request_id) * 4 > ABORT_CHUNK_BYTES:
-            frames.append(AbortRequests(client_id, chunk))
+            frames.append(AbortRequests(client_id, chunk, reason, message))
             chunk, size = [], 0
         chunk.append(request_id)
         size += len(request_id) * 4 + 3
     if chunk:
-        frames.append(AbortRequests(client_id, chunk))
+        frames.append(AbortRequests(client_id, chunk, reason, message))
     return frames

@@ -105,6 +105,7 @@ class Request:
     tenant: Tenant = ("", "")  # (client_id, the tenant it names)
     seqs: list[Sequence] = field(default_factory=list)
     announced: bool = False
+    scheduled_time: float = 0.0  # when it was announced (first scheduled)
     params_sent: bool = False  # the executor holds its RequestParams
 
     @property

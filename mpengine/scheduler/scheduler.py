@@ -70,6 +70,7 @@ from mpengine.scheduler.plan import aborted_requests, build_plan, new_request, r
 from mpengine.scheduler.policy import choose_victim, fair_victim, next_to_resume, resume_first
 from mpengine.scheduler.prefix_staging import PrefixStaging
 from mpengine.scheduler.request import Request, Sequence, Status
+from mpengine.scheduler.resync import RESTARTED, replayable, resync_frames
 from mpengine.scheduler.step import BlockDelta, StepBatch, StepBudget
 from mpengine.scheduler.swap import HostSwap
 from mpengine.scheduler.waiting import WaitingQueue
@@ -86,6 +87,7 @@ COUNTERS = (
     "aborted",
     "preemptions",
     "fair_preemptions",
+    "resyncs",
     "forked_blocks",
     "prefix_cache_queries",
     "prefix_cache_hits",
@@ -102,6 +104,9 @@ class Scheduler:
     # once aborting, the next schedule aborts every unfinished request.
     draining: ClassVar[bool] = False
     aborting: ClassVar[bool] = False
+    # Output processor restarts signalled (its generation): re-announce at the next safe
+    # point (``resync``) when it is past the last one announced.
+    resyncs_asked: ClassVar[int] = 0
 
     def __init__(
         self,
@@ -126,6 +131,7 @@ class Scheduler:
             eos_token_ids=eos_token_ids,
         )
         self.max_num_seqs = config.max_num_seqs
+        self.ring_bytes = config.ring_bytes
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.by_priority = self.rules.by_priority
         self.encoder = self.rules.encoder  # whole prompts, no blocks
@@ -213,6 +219,35 @@ class Scheduler:
         if aborted:
             logger.debug("aborted %d requests of %s", len(aborted), client_id)
         self.announcements += aborted_requests(client_id, aborted)
+
+    def resync(self, generation: int) -> None:
+        """The output processor was restarted (every feedback its predecessor wrote is
+        applied): announce what it needs to carry on (``resync.py``); the requests it cannot
+        carry on fail, to be retried."""
+        requests = [(r, list(r.seqs)) for r in self.requests.values() if r.announced]
+        # Pooled requests finish when planned; those whose step is not fed back yet still
+        # wait for their embedding.
+        requests += [
+            (seq.request, [seq])
+            for seq in self.finished_unfreed
+            if seq.request.pooling is not None and seq.last_step > self.done
+        ]
+        frame_bytes = min(1 << 20, self.ring_bytes // 4)
+        self.announcements += resync_frames(requests, generation, self.done, frame_bytes)
+        lost: dict[str, list[str]] = {}
+        for request, _ in requests:
+            if not request.finished and not replayable(request):
+                lost.setdefault(request.client_id, []).append(request.request_id)
+                self._finish_request(request)
+        for client_id, request_ids in lost.items():
+            self.announcements += aborted_requests(client_id, request_ids, "error", RESTARTED)
+        self._free_finished()
+        self.counters["resyncs"] += 1
+        logger.info(
+            "re-announced %d requests to a restarted output processor (%d lost)",
+            len(requests),
+            sum(map(len, lost.values())),
+        )
 
     def _drop_clients(self, client_ids: set[str]) -> list[int]:
         """The output processor found these clients gone: end their requests here, queued
@@ -587,7 +622,9 @@ class Scheduler:
 
     def _announce(self, request: Request) -> None:
         request.announced = True
-        self.announcements.append(new_request(request))
+        announcement = new_request(request)
+        request.scheduled_time = announcement.scheduled_time
+        self.announcements.append(announcement)
 
     def _preempt(self, seq: Sequence, budget: StepBudget) -> None:
         """Preempt by swap when it can (``HostSwap.swap_out``), else by recompute: drop

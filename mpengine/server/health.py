@@ -10,10 +10,14 @@ SIGSTOP) stops the counter while requests wait: that is a stall.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from mpengine.client.async_client import AsyncClient
 from mpengine.metrics import ServerMetrics
 from mpengine.protocol import EngineStats
+
+if TYPE_CHECKING:
+    from mpengine.launch import Engine
 
 STATS_TIMEOUT_S = 2.0
 
@@ -24,8 +28,15 @@ def has_work(stats: EngineStats) -> bool:
 
 
 class EngineMonitor:
-    def __init__(self, client: AsyncClient, metrics: ServerMetrics, stall_timeout: float) -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        metrics: ServerMetrics,
+        stall_timeout: float,
+        engine: Engine | None = None,
+    ) -> None:
         self.client = client
+        self.engine = engine  # the launcher, when this process runs it (stage restarts)
         self.metrics = metrics
         self.stall_timeout = stall_timeout
         self.stats: EngineStats | None = None
@@ -43,7 +54,14 @@ class EngineMonitor:
             self.error = f"{type(exc).__name__}: {exc}"
             return None
         self.observe(stats)
+        if self.engine is not None:
+            self.metrics.engine.restarts = dict(self.engine.restarts.total)
         return stats
+
+    @property
+    def recovering(self) -> str | None:
+        """The stage the launcher is restarting now, if any."""
+        return None if self.engine is None else self.engine.recovering
 
     def observe(self, stats: EngineStats, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -59,6 +77,8 @@ class EngineMonitor:
             return f"the engine is dead: {self.dead}"
         if self.draining:
             return "draining: the server is shutting down"
+        if self.recovering:
+            return f"recovering: the {self.recovering} stage died and is restarting"
         if self.error:
             return f"the engine does not answer: {self.error}"
         stats = self.stats

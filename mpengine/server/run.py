@@ -332,7 +332,7 @@ def _state(engine: Engine, args: argparse.Namespace, api_key: str | None) -> Ser
         "gpu_memory_utilization": config.gpu_memory_utilization,
     }
     metrics = ServerMetrics(names[0], info.max_model_len, cache_config)
-    monitor = EngineMonitor(client, metrics, args.stall_timeout)
+    monitor = EngineMonitor(client, metrics, args.stall_timeout, engine)
     text = TextTools(
         info.tokenizer, args.chat_template, args.chat_template_content_format, info.max_model_len
     )
@@ -375,7 +375,7 @@ async def _watch(monitor: EngineMonitor, notifier: Notifier, model: str, interva
     loop = asyncio.get_running_loop()
     while True:
         stats = await monitor.poll()
-        if monitor.problem() is None:
+        if monitor.problem() is None or monitor.recovering:  # (a restart takes seconds)
             notifier.watchdog()
         notifier.status(monitor.status(model))
         if stats is not None and (line := stats_log.line(stats, loop.time())):

@@ -21,7 +21,8 @@ from tests.e2e.conftest import leftovers
 
 @pytest.mark.parametrize("stage", ["scheduler", "executor", "output"])
 def test_killed_stage_fails_requests_and_cleans_up(stage, start_engine):
-    engine = start_engine(model="tiny", num_gpu_blocks_override=256)
+    """(With restarts off: a restarted output processor is ``test_stage_restarts.py``'s.)"""
+    engine = start_engine(model="tiny", num_gpu_blocks_override=256, max_stage_restarts=0)
     client = engine.client()
     local = mpengine.Client(engine.address)  # also a client that knows nothing of the launcher
     errors: dict[str, BaseException] = {}

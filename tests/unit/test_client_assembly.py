@@ -29,7 +29,9 @@ def test_the_embedding_and_the_tokens_the_engine_pooled():
     assembly = Assembly(request([5, 6, 7, 8]))
     vector = Array.of(np.array([0.6, 0.8]), "float32")
     # The engine truncated the prompt to 3 tokens (truncate_prompt_tokens).
-    delta = OutputDelta("r", 0, EMPTY_IDS, "", "stop", embedding=vector, num_prompt_tokens=3)
+    delta = OutputDelta(
+        "r", 0, EMPTY_IDS, "", finish_reason="stop", embedding=vector, num_prompt_tokens=3
+    )
     assert assembly.add(delta).finished
     out = assembly.embedding_output()
     assert out.prompt_token_ids == [5, 6, 7] and out.num_prompt_tokens == 3
@@ -51,17 +53,19 @@ def test_cumulative_logprob_is_the_running_sum_when_logprobs_are_asked_for():
     )
     assert first.outputs[0].cumulative_logprob == -1.75
     last = asked.add(
-        OutputDelta("r", 0, Array.of([7]), "c", "length", logprobs=logprobs([7], [-0.25]))
+        OutputDelta(
+            "r", 0, Array.of([7]), "c", finish_reason="length", logprobs=logprobs([7], [-0.25])
+        )
     )
     assert last.finished and last.outputs[0].cumulative_logprob == -2.0
     plain = Assembly(AddRequest("r", Array.of([1]), SamplingParams(max_tokens=1)))
-    out = plain.add(OutputDelta("r", 0, Array.of([5]), "a", "length"))
+    out = plain.add(OutputDelta("r", 0, Array.of([5]), "a", finish_reason="length"))
     assert out.outputs[0].cumulative_logprob is None
 
 
 def test_a_request_that_ends_without_its_embedding_raises():
     assembly = Assembly(request([5, 6]))
-    assembly.add(OutputDelta("r", 0, EMPTY_IDS, "", "error", error="step 3 failed"))
+    assembly.add(OutputDelta("r", 0, EMPTY_IDS, "", finish_reason="error", error="step 3 failed"))
     with pytest.raises(RequestFailedError, match="step 3 failed"):
         assembly.embedding_output()
 

@@ -81,7 +81,10 @@ SAMPLES = [
         ),
     ),
     ("feedback", Feedback(7, Array.of([9], "int64"), Array.of([4]), [9], ["stop"])),
-    ("output_reply", OutputBatch([OutputDelta("r", 0, IDS, "hi", "length", logprobs=LP)])),
+    (
+        "output_reply",
+        OutputBatch([OutputDelta("r", 0, IDS, "hi", finish_reason="length", logprobs=LP)]),
+    ),
     ("scheduler_reply", EngineStats(1, *range(12))),
 ]
 
