@@ -124,7 +124,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     advertise_host: str | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     startup_timeout: Annotated[float, Meta(gt=0, le=WEEK_S)] = 300.0
-    # A stage that dies is restarted (the output processor), at most this many times in
+    # A stage that dies is restarted (the output processor, the executor), at most this often in
     # ``stage_restart_window_s``; past it the engine dies (EngineDeadError). 0: never.
     max_stage_restarts: Annotated[int, Meta(ge=0, le=1000)] = 3
     stage_restart_window_s: Annotated[float, Meta(gt=0, le=WEEK_S)] = 60.0
@@ -258,7 +258,7 @@ HELP = {
     "wildcard (default: the host the client used for requests)",
     "log_level": "log level of every stage (DEBUG logs each scheduling decision)",
     "startup_timeout": "seconds to wait for the stages to load and report ready",
-    "max_stage_restarts": "restarts of a stage that died (the output processor) allowed in "
+    "max_stage_restarts": "restarts of a stage that died (the output processor, the executor) in "
     "--stage-restart-window-s; past them the engine dies (0: never restart)",
     "stage_restart_window_s": "the window --max-stage-restarts counts restarts in",
     "generation_config": "default sampling parameters of requests that leave them out: auto "

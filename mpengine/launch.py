@@ -67,7 +67,13 @@ from mpengine.protocol import (
 )
 from mpengine.runtime.engine_file import ENGINE_FILE, RUNTIME_DIR_GLOB, write_engine_file
 from mpengine.runtime.restarts import RESTARTABLE, Restarts, exit_cause
-from mpengine.runtime.stage import ABORT_SIGNAL, DRAIN_SIGNAL, RESYNC_SIGNAL, STOP_SIGNAL
+from mpengine.runtime.stage import (
+    ABORT_SIGNAL,
+    DRAIN_SIGNAL,
+    EXECUTOR_SIGNAL,
+    RESYNC_SIGNAL,
+    STOP_SIGNAL,
+)
 from shm import Lockstep, Ring, sweep_stale
 from shm.reaper import Leftovers, Reaper, remove_ipc_files
 from shm.segment import free_space as shm_free_bytes
@@ -370,7 +376,7 @@ class Engine:
         # Stages restarted after they died (``restarts.py``); the one restarting now.
         self.restarts = Restarts(config.max_stage_restarts, config.stage_restart_window_s)
         self.recovering: str | None = None
-        self.generation = 0  # the output processor's: restarts so far
+        self.generations = {"output": 0, "executor": 0}  # restarts so far, of each
         self._stopping = threading.Event()
         self._stop_lock = threading.Lock()
         self.stopped = threading.Event()  # set once the stages are gone and cleaned up
@@ -517,7 +523,7 @@ class Engine:
             proc.conn.send_bytes(config_bytes)
             proc.conn.send_bytes(wiring_bytes)
 
-    def _wait_ready(self, stages: tuple[str, ...]) -> None:
+    def _wait_ready(self, stages: tuple[str, ...], relay: bool = True) -> None:
         deadline = time.monotonic() + self.config.startup_timeout
         decoder = control_decoder()
         pending = set(stages)
@@ -541,7 +547,13 @@ class Engine:
                     raise EngineStartError(f"{stage} failed to start: {msg.message}")
                 assert isinstance(msg, StageReady)
                 pending.discard(stage)
-                if msg.model is not None:
+                if msg.model is not None and not relay:  # a restarted executor
+                    if msg.model.num_blocks != self.model.num_blocks:  # type: ignore[union-attr]
+                        raise EngineStartError(
+                            f"the restarted executor has {msg.model.num_blocks} KV blocks, "
+                            f"not {self.model.num_blocks}"  # type: ignore[union-attr]
+                        )
+                elif msg.model is not None:
                     self.model = msg.model
                     for other in ("scheduler", "output"):
                         if other in self.processes:
@@ -594,25 +606,52 @@ class Engine:
         return False
 
     def _respawn(self, stage: str) -> None:
-        """The output processor again, of the next generation: the scheduler re-announces
-        every request for it (``RESYNC_SIGNAL``), its clients connect to it by themselves."""
+        """``stage`` again, of its next generation. An output processor: the scheduler
+        re-announces every request for it (``RESYNC_SIGNAL``), its clients connect to it by
+        themselves. An executor (with the KV cache's geometry of its predecessor): once the
+        output processor has taken the dead one's last result, the scheduler recomputes
+        what it had computed (``EXECUTOR_SIGNAL``)."""
         old = self.processes[stage]
         old.join(0)
         old.close()
-        self.generation += 1
-        self._signal_scheduler(RESYNC_SIGNAL)
-        wiring = msgspec.structs.replace(self.wiring, generation=self.generation)
+        config = self.config
+        assert self.model is not None
+        if stage == "output":
+            self.generations["output"] += 1
+            self._signal_scheduler(RESYNC_SIGNAL)
+        else:
+            self._wait_results_taken()
+            self.generations["executor"] += 1
+            self._signal_scheduler(EXECUTOR_SIGNAL)
+            config = msgspec.structs.replace(config, num_gpu_blocks_override=self.model.num_blocks)
+        wiring = msgspec.structs.replace(
+            self.wiring,
+            output_generation=self.generations["output"],
+            executor_generation=self.generations["executor"],
+        )
         with self._stop_lock:
             if self._stopping.is_set():
                 raise EngineStartError("the engine is stopping")
             proc = self.processes[stage] = StageProcess(stage, self.runtime_dir)
-        proc.conn.send_bytes(self.config.encode())
+        proc.conn.send_bytes(config.encode())
         proc.conn.send_bytes(encoder.encode(wiring))
-        proc.conn.send_bytes(encoder.encode(self.model))
-        self._wait_ready((stage,))
+        if stage == "output":
+            proc.conn.send_bytes(encoder.encode(self.model))
+        self._wait_ready((stage,), relay=False)
         if self._ipc_dir is not None:
             record = dict(pid=os.getpid(), runtime_dir=self.runtime_dir, stages=self.pids)
             write_engine_file(self._ipc_dir, record)
+
+    def _wait_results_taken(self) -> None:
+        """Wait until the output processor has taken every result in the ring (after
+        their feedback: the scheduler then knows all that a dead executor computed)."""
+        ring = next(s for s in self._segments if getattr(s, "name", "") == self.wiring.result_ring)
+        deadline = time.monotonic() + self.config.startup_timeout
+        while ring.used_bytes:
+            output = self.processes["output"]
+            if not output.is_alive() or time.monotonic() > deadline:
+                raise EngineStartError("the output processor did not take the last results")
+            time.sleep(0.001)
 
     def _failure_of(self, stage: str) -> str | None:
         """What a stage that raised reported before it left (None when it was killed)."""

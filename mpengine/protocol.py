@@ -631,8 +631,10 @@ class EngineStats(msgspec.Struct, **_WIRE):
     # for one under it (also counted in ``preemptions``).
     num_tenants: int = 0
     fair_preemptions: int = 0
-    # Requests re-announced to a restarted output processor, in all (one per restart).
+    # Restarts of the output processor (its requests re-announced) and of the executor
+    # (its sequences recomputed).
     resyncs: int = 0
+    executor_restarts: int = 0
 
 
 # Buckets of the tokens computed in one step (vLLM's, for iteration_tokens_total).
@@ -812,6 +814,9 @@ class StepPlan(msgspec.Struct, **_WIRE):
     # device block) pairs to copy in, flattened.
     swap_out: Array = EMPTY_IDS
     swap_in: Array = EMPTY_IDS
+    # The executor generation it is for (0 first, one more at each restart): an executor
+    # drops the plans of earlier ones, left in the ring by the scheduler it restarted with.
+    generation: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -897,9 +902,11 @@ class Wiring(msgspec.Struct, **_WIRE):
     feedback_ring: str = ""
     announce_ring: str = ""
     lockstep: str = ""
-    # The output processor's generation: 0 first, then one more at each restart (it takes
-    # the ``Resync`` of its own generation).
-    generation: int = 0
+    # The output processor's and the executor's generations: 0 first, then one more at
+    # each restart of it (an output processor takes the ``Resync`` of its own generation,
+    # an executor the plans of its own).
+    output_generation: int = 0
+    executor_generation: int = 0
 
 
 class ModelInfo(msgspec.Struct, **_WIRE):

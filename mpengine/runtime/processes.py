@@ -194,6 +194,8 @@ def scheduler_loop(
     plans, announces, feedbacks, done = links.plans, links.announces, links.feedbacks, links.done
     generation = 0  # of the output processor announced to
     while not stop:
+        if (asked := type(scheduler).executor_losses) != scheduler.executor_generation:
+            lose_executor(scheduler, links, asked)  # it was restarted
         if (asked := type(scheduler).resyncs_asked) != generation:  # it was restarted
             generation = asked
             resync_output(scheduler, links, generation)
@@ -247,6 +249,18 @@ def scheduler_loop(
             clock.idle()
 
 
+def lose_executor(scheduler: Scheduler, links: Links, generation: int) -> None:
+    """A restarted executor starts over from what the scheduler knows: apply every feedback
+    of what the dead one computed (the launcher waited for the output processor to take
+    its last result), then recompute (``Scheduler.lose_executor``)."""
+    feedbacks, announces = links.feedbacks, links.announces
+    while (frame := feedbacks.try_get()) is not None:
+        scheduler.apply_feedback(feedbacks.decode(frame))
+    scheduler.lose_executor(generation)
+    for announcement in scheduler.take_announcements():
+        announces.put(announces.encode(announcement))
+
+
 def resync_output(scheduler: Scheduler, links: Links, generation: int) -> None:
     """A restarted output processor carries on from what the scheduler knows: apply every
     feedback its predecessor wrote, then announce each request's state (``Resync``)."""
@@ -258,7 +272,9 @@ def resync_output(scheduler: Scheduler, links: Links, generation: int) -> None:
         announces.put(announces.encode(announcement))
 
 
-def executor_loop(executor: Executor, links: Links, clock: Clock, stop: StopFlag) -> None:
+def executor_loop(
+    executor: Executor, links: Links, clock: Clock, stop: StopFlag, generation: int = 0
+) -> None:
     plans, results, done = links.plans, links.results, links.done
     last_step = 0
     while not stop:
@@ -268,6 +284,8 @@ def executor_loop(executor: Executor, links: Links, clock: Clock, stop: StopFlag
             with plans.get_view(POLL_S) as frame:
                 clock.wait(EXECUTOR, "plan_ring")
                 plan = plans.decode(frame)
+            if plan.generation != generation:
+                continue  # planned for a predecessor that died: its steps are lost
         except TimeoutError:
             if done.value < last_step:
                 clock.wait(EXECUTOR, "plan_ring")
@@ -387,7 +405,7 @@ def run_executor(config: EngineConfig, wiring: Wiring, control: Control, stop: S
     )
     with _stage(config, EXECUTOR, links) as clock:
         control.ready(executor.info)
-        executor_loop(executor, links, clock, stop)
+        executor_loop(executor, links, clock, stop, wiring.executor_generation)
 
 
 def run_scheduler(config: EngineConfig, wiring: Wiring, control: Control, stop: StopFlag) -> None:
@@ -425,9 +443,9 @@ def run_output(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
     )
     edge = output_edge(config, wiring)
     with _stage(config, OUTPUT, links, edge) as clock:
-        door = OutputDoor(edge, processor, config, restarted=wiring.generation > 0)
+        door = OutputDoor(edge, processor, config, restarted=wiring.output_generation > 0)
         control.ready()
-        output_loop(processor, door, links, clock, stop, wiring.generation)
+        output_loop(processor, door, links, clock, stop, wiring.output_generation)
 
 
 @contextlib.contextmanager

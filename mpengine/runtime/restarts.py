@@ -2,7 +2,9 @@
 described.
 
 The output processor is restarted: its state is rebuilt from the scheduler's (``Resync``)
-and its clients connect to the new one by themselves. A crash loop gives up: at most
+and its clients connect to the new one by themselves. The executor is restarted: the
+scheduler recomputes what it had computed, as after a preemption. The scheduler is not: it
+holds every request. A crash loop gives up: at most
 ``max_stage_restarts`` restarts of a stage in any ``stage_restart_window_s``; a start that
 fails counts as one more.
 """
@@ -14,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-RESTARTABLE = frozenset({"output"})
+RESTARTABLE = frozenset({"output", "executor"})
 
 
 class Restarts:

@@ -30,6 +30,7 @@ ABORT_SIGNAL = signal.SIGRTMIN  # scheduler: abort every unfinished request (que
 STACKS_SIGNAL = signal.SIGUSR2  # any stage: dump every thread's Python stack (faulthandler)
 STOP_SIGNAL = signal.SIGRTMIN + 1  # any stage: stop (what the launcher sends)
 RESYNC_SIGNAL = signal.SIGRTMIN + 2  # scheduler: the output processor was restarted
+EXECUTOR_SIGNAL = signal.SIGRTMIN + 3  # scheduler: the executor died and restarts
 
 
 STOP_POLL_S = 0.05  # how often a stage waiting to start looks at its stop flag
@@ -110,7 +111,8 @@ def install_signals(stage: str, stop: StopFlag, runtime_dir: str | None, parent_
     group: the launcher decides (``mpengine serve`` drains first) and stops the stages, so
     while it lives a stage leaves SIGINT and SIGTERM to it (a stage dies with its launcher
     anyway). The scheduler obeys the drain signals (``Scheduler.draining``, ``.aborting``)
-    and the output processor's restarts (``.resyncs_asked``), checked at safe points of its
+    and the restarts of the output processor and the executor (``.resyncs_asked``,
+    ``.executor_losses``), checked at safe points of its
     loop, never acted on inside the handler. Every stage
     dumps its threads' stacks into ``RUNTIME_DIR/stacks-STAGE.txt`` on ``STACKS_SIGNAL``,
     even while stuck in C code."""
@@ -134,9 +136,13 @@ def install_signals(stage: str, stop: StopFlag, runtime_dir: str | None, parent_
         def resync(*_: object) -> None:
             Scheduler.resyncs_asked += 1
 
+        def executor_lost(*_: object) -> None:
+            Scheduler.executor_losses += 1
+
         signal.signal(DRAIN_SIGNAL, drain)
         signal.signal(ABORT_SIGNAL, abort)
         signal.signal(RESYNC_SIGNAL, resync)
+        signal.signal(EXECUTOR_SIGNAL, executor_lost)
     if runtime_dir:
         stacks = open(os.path.join(runtime_dir, f"stacks-{stage}.txt"), "a")  # noqa: SIM115
         faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)

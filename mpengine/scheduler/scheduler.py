@@ -88,6 +88,7 @@ COUNTERS = (
     "preemptions",
     "fair_preemptions",
     "resyncs",
+    "executor_restarts",
     "forked_blocks",
     "prefix_cache_queries",
     "prefix_cache_hits",
@@ -107,6 +108,9 @@ class Scheduler:
     # Output processor restarts signalled (its generation): re-announce at the next safe
     # point (``resync``) when it is past the last one announced.
     resyncs_asked: ClassVar[int] = 0
+    # Executor restarts signalled (its generation): start over at the next safe point
+    # (``lose_executor``) when it is past the last one handled.
+    executor_losses: ClassVar[int] = 0
 
     def __init__(
         self,
@@ -135,13 +139,16 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.by_priority = self.rules.by_priority
         self.encoder = self.rules.encoder  # whole prompts, no blocks
-        caching = config.prefix_caching and not self.encoder
-        self.blocks = BlockManager(num_blocks, config.block_size, caching)
-        self.prefix = PrefixStaging(self.blocks)
-        self.swap = HostSwap(num_host_blocks if config.preemption_mode == "swap" else 0)
-        self.free_slots = deque(range(config.num_slots))
-        # Block-table rows rewritten between plans (beams continuing other beams).
-        self._table_updates: list[BlockDelta] = []
+        # The executor's KV cache, host blocks and slots, as this plans them (``_empty``).
+        self._cache = (
+            num_blocks,
+            config.block_size,
+            config.prefix_caching and not self.encoder,
+            num_host_blocks if config.preemption_mode == "swap" else 0,
+            config.num_slots,
+        )
+        self._empty()
+        self.executor_generation = 0  # restarts of the executor: its plans carry it
         self.requests: dict[tuple[str, str], Request] = {}  # by (client id, request id)
         self.seqs: dict[int, Sequence] = {}
         self.waiting = WaitingQueue()
@@ -160,6 +167,16 @@ class Scheduler:
         self.done = 0  # highest step whose feedback was applied
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.step_tokens = [0] * (len(STEP_TOKEN_BUCKETS) + 1)  # steps by tokens computed
+
+    def _empty(self) -> None:
+        """An executor's state as it starts: every block and slot free, nothing cached."""
+        num_blocks, block_size, caching, num_host_blocks, num_slots = self._cache
+        self.blocks = BlockManager(num_blocks, block_size, caching)
+        self.prefix = PrefixStaging(self.blocks)
+        self.swap = HostSwap(num_host_blocks)
+        self.free_slots = deque(range(num_slots))
+        # Block-table rows rewritten between plans (beams continuing other beams).
+        self._table_updates: list[BlockDelta] = []
 
     @classmethod
     def for_model(cls, config: EngineConfig, model: ModelInfo) -> Scheduler:
@@ -246,6 +263,47 @@ class Scheduler:
         logger.info(
             "re-announced %d requests to a restarted output processor (%d lost)",
             len(requests),
+            sum(map(len, lost.values())),
+        )
+
+    def lose_executor(self, generation: int) -> None:
+        """The executor died and one of ``generation`` starts, with an empty cache, no
+        slots and no request parameters (every feedback of the dead one applied). What it
+        computed is recomputed, as after a preemption; the steps planned after ``done`` are
+        lost, so the next plan is ``done + 1`` (the new executor drops older generations').
+        Seeded samples draw what they would have (a draw's seed is derived from the
+        request's seed and the token's index). What cannot be recomputed fails, to be
+        retried: beam searches (a lost step's continuations), and pooled requests planned
+        in a lost step (they finish when planned)."""
+        lost: dict[str, list[str]] = {}
+        for request in list(self.requests.values()):
+            request.params_sent = False
+            if request.beam_search and request.announced:
+                lost.setdefault(request.client_id, []).append(request.request_id)
+                self._finish_request(request)
+        for seq in self.finished_unfreed:
+            if seq.request.pooling is not None and seq.last_step > self.done:
+                lost.setdefault(seq.request.client_id, []).append(seq.request.request_id)
+            self.seqs.pop(seq.seq_id, None)
+        for seq in reversed(self.running):  # (resumed in admission order)
+            self.waiting.unseat(seq.request.tenant)
+            seq.status = Status.PREEMPTED
+            self.preempted.appendleft(seq)
+        self.running = []
+        for seq in self.preempted:
+            seq.block_ids, seq.host_block_ids, seq.slot, seq.fork_parent = [], [], -1, None
+            seq.num_computed = seq.num_registered = seq.num_inflight = seq.last_step = 0
+        self._empty()
+        self.finished_unfreed, self.keys_to_forget = [], []
+        self.next_step = self.done + 1
+        self.executor_generation = generation
+        message = "the executor restarted and lost this request's state; retry it"
+        for client_id, request_ids in lost.items():
+            self.announcements += aborted_requests(client_id, request_ids, "error", message)
+        self.counters["executor_restarts"] += 1
+        logger.info(
+            "the executor restarted: %d sequences recompute, %d requests lost",
+            len(self.preempted),
             sum(map(len, lost.values())),
         )
 
@@ -351,6 +409,7 @@ class Scheduler:
         # 4. the plan, then the state it leaves; it carries out the swap copies and the
         # requests the executor may forget (this step's pooled ones too)
         plan = build_plan(batch)
+        plan.generation = self.executor_generation
         self._commit(batch, plan)
         plan.swap_out, plan.swap_in = self.swap.take_copies()
         plan.released_requests = self._take_keys_to_forget()

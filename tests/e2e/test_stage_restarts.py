@@ -1,6 +1,7 @@
-"""A stage that dies is restarted and loses no request (the output processor): every stream
-carries on with exactly the tokens and text of an undisturbed run; a crash loop gives up
-with ``EngineDeadError``; nothing leaks (the ``start_engine`` fixture checks /dev/shm)."""
+"""A stage that dies is restarted and loses no request (the output processor, the
+executor): every stream carries on with exactly the tokens and text of an undisturbed run,
+seeded samples included; a crash loop gives up with ``EngineDeadError``; nothing leaks
+(the ``start_engine`` fixture checks /dev/shm)."""
 
 from __future__ import annotations
 
@@ -91,22 +92,23 @@ def undisturbed(client: mpengine.Client, params: list[SamplingParams]) -> dict[i
     }
 
 
-def kill_output(engine: mpengine.Engine) -> int:
-    """SIGKILL the output processor; its pid."""
-    pid = engine.pids["output"]
+def kill_output(engine: mpengine.Engine, stage: str = "output") -> int:
+    """SIGKILL the output processor (or ``stage``); its pid."""
+    pid = engine.pids[stage]
     os.kill(pid, signal.SIGKILL)
     return pid
 
 
-def wait_restarted(engine: mpengine.Engine, old_pid: int) -> None:
+def wait_restarted(engine: mpengine.Engine, old_pid: int, stage: str = "output") -> None:
     deadline = time.monotonic() + TIMEOUT_S
-    while engine.pids["output"] == old_pid or engine.recovering:
+    while engine.pids[stage] == old_pid or engine.recovering:
         assert engine.dead is None, engine.dead
         assert time.monotonic() < deadline, "the output processor was not restarted"
         time.sleep(0.005)
 
 
-def test_a_killed_output_processor_loses_no_stream(start_engine) -> None:
+@pytest.mark.parametrize("stage", ["output", "executor"])
+def test_a_killed_stage_loses_no_stream(start_engine, stage) -> None:
     engine = start_engine(model="tiny", log_level="WARNING")
     params = workload()
     with engine.client() as client, mpengine.Client(engine.address) as remote:
@@ -117,17 +119,20 @@ def test_a_killed_output_processor_loses_no_stream(start_engine) -> None:
         for s in (streams, other):
             s.wait_for(lambda s=s: sum(map(len, s.tokens.values())) >= 4, "streams started")
         streams.wait_for(lambda: streams.least() >= 10 and other.least() >= 10, "10 tokens each")
-        pid = kill_output(engine)
+        pid = kill_output(engine, stage)
         streams.join()
         other.join()
         got = streams.results() | other.results()
         assert not streams.errors and not other.errors, (streams.errors, other.errors)
         assert got == want
-        assert engine.pids["output"] != pid and engine.restarts.total == {"output": 1}
-        assert client.stats().resyncs == 1
+        assert engine.pids[stage] != pid and engine.restarts.total == {stage: 1}
+        stats = client.stats()
+        assert (stats.resyncs, stats.executor_restarts) == ((1, 0) if stage == "output" else (0, 1))
         # It serves new requests as before.
         again = client.generate(PROMPTS[1], params[1], timeout=TIMEOUT_S)
         assert {s.index: s.token_ids for s in again.outputs} == want[1][0]
+        stats = client.stats()
+        assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
 
 
 def test_restarts_beyond_the_limit_give_up(start_engine) -> None:
@@ -149,58 +154,71 @@ def test_restarts_beyond_the_limit_give_up(start_engine) -> None:
         assert engine.restarts.total == {"output": 2}
 
 
-def test_a_crash_during_a_restart_is_restarted_too(start_engine) -> None:
-    """The restarted output processor killed as soon as it exists (while it starts, or
-    just after): one more restart, and the streams still carry on unharmed."""
+@pytest.mark.parametrize("stage", ["output", "executor"])
+def test_a_crash_during_a_restart_is_restarted_too(start_engine, stage) -> None:
+    """The restarted stage killed as soon as it exists (while it starts, or just after):
+    one more restart, and the streams still carry on unharmed."""
     engine = start_engine(model="tiny", log_level="WARNING")
     params = workload()
     with engine.client() as client:
         want = undisturbed(client, params)
         streams = Streams(client, dict(enumerate(params)))
         streams.wait_for(lambda: streams.least() >= 10, "10 tokens each")
-        first = kill_output(engine)
+        first = kill_output(engine, stage)
         deadline = time.monotonic() + TIMEOUT_S
-        while engine.pids["output"] == first:
-            assert time.monotonic() < deadline, "no second output processor"
-        os.kill(engine.pids["output"], signal.SIGKILL)
+        while engine.pids[stage] == first:
+            assert time.monotonic() < deadline, f"no second {stage}"
+        os.kill(engine.pids[stage], signal.SIGKILL)
         streams.join()
         assert not streams.errors, streams.errors
         assert streams.results() == want
-        assert engine.restarts.total == {"output": 2}
+        assert engine.restarts.total == {stage: 2}
 
 
-@pytest.mark.parametrize("kind", ["plain", "best_of"])
-def test_what_cannot_be_rebuilt_fails_to_be_retried(start_engine, kind) -> None:
-    """Samples ranked at their end (``best_of > n``) hold logprobs the scheduler never had:
-    such a request ends with an error saying to retry it; the rest carry on."""
+@pytest.mark.parametrize(
+    ("stage", "kind", "lost"),
+    [
+        ("output", "plain", False),
+        ("output", "best_of", True),  # its samples' logprobs: the scheduler never had them
+        ("executor", "best_of", False),  # (kept by the output processor)
+        ("executor", "beams", True),  # a lost step's continuations
+    ],
+)
+def test_what_cannot_be_rebuilt_fails_to_be_retried(start_engine, stage, kind, lost) -> None:
+    """A request whose state a restarted stage cannot rebuild ends with an error saying to
+    retry it; the others carry on."""
     engine = start_engine(model="tiny", log_level="WARNING")
     with engine.client() as client:
         long = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
         streams = Streams(client, dict.fromkeys(range(len(PROMPTS)), long))
         streams.wait_for(lambda: streams.least() >= 5, "5 tokens each")
-        ranked = SamplingParams(max_tokens=400, ignore_eos=True, n=1, best_of=2, seed=1)
-        plain = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+        kinds = {
+            "best_of": SamplingParams(max_tokens=200, ignore_eos=True, n=1, best_of=2, seed=1),
+            "beams": SamplingParams(max_tokens=200, ignore_eos=True, n=1, beam_width=2,
+                                    use_beam_search=True),
+            "plain": SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0),
+        }  # fmt: skip
         result: dict[str, object] = {}
 
         def run() -> None:
             try:
-                result["out"] = client.generate([9, 9, 9], ranked if kind == "best_of" else plain)
+                result["out"] = client.generate([9, 9, 9], kinds[kind], timeout=TIMEOUT_S)
             except BaseException as exc:
                 result["error"] = exc
 
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         streams.wait_for(lambda: client.stats().num_running > len(PROMPTS), "admitted")
-        wait_restarted(engine, kill_output(engine))
+        wait_restarted(engine, kill_output(engine, stage), stage)
         thread.join(TIMEOUT_S)
         streams.join()
         assert not streams.errors
         out, error = result.get("out"), result.get("error")
-        if kind == "best_of":
+        if lost:
             message = str(error) if error is not None else out.outputs[0].error  # type: ignore[union-attr]
             assert "retry it" in (message or ""), result
         else:
-            assert error is None and len(out.token_ids) == 30, result  # type: ignore[union-attr]
+            assert error is None and len(out.token_ids) == 200, result  # type: ignore[union-attr]
 
 
 def test_http_streams_go_on_across_a_restart(tmp_path: Path) -> None:
