@@ -65,7 +65,12 @@ from mpengine.protocol import (
     control_decoder,
     encoder,
 )
-from mpengine.runtime.engine_file import ENGINE_FILE, RUNTIME_DIR_GLOB, write_engine_file
+from mpengine.runtime.engine_file import (
+    ENGINE_FILE,
+    RUNTIME_DIR_GLOB,
+    read_engine_file,
+    write_engine_file,
+)
 from mpengine.runtime.restarts import RESTARTABLE, Restarts, exit_cause
 from mpengine.runtime.stage import (
     ABORT_SIGNAL,
@@ -428,9 +433,7 @@ class Engine:
                 stages = ("engine",)
             self._spawn(stages)
             self._wait_ready(stages)
-            if self._ipc_dir is not None:  # how `mpengine stacks/top ADDRESS` find the stages
-                record = dict(pid=os.getpid(), runtime_dir=self.runtime_dir, stages=self.pids)
-                write_engine_file(self._ipc_dir, record)
+            self._write_engine_file(keep=False)
         except BaseException:  # (Ctrl-C too: stages loading a model do not look at their
             # stop flag, and have nothing to save; they waited out the whole grace period)
             self._stop_all(grace=STARTUP_STOP_GRACE_S)
@@ -611,6 +614,9 @@ class Engine:
         themselves. An executor (with the KV cache's geometry of its predecessor): once the
         output processor has taken the dead one's last result, the scheduler recomputes
         what it had computed (``EXECUTOR_SIGNAL``)."""
+        if stage == "scheduler":
+            self._restart_all()
+            return
         old = self.processes[stage]
         old.join(0)
         old.close()
@@ -638,9 +644,45 @@ class Engine:
         if stage == "output":
             proc.conn.send_bytes(encoder.encode(self.model))
         self._wait_ready((stage,), relay=False)
-        if self._ipc_dir is not None:
-            record = dict(pid=os.getpid(), runtime_dir=self.runtime_dir, stages=self.pids)
-            write_engine_file(self._ipc_dir, record)
+        self._write_engine_file()
+
+    def _restart_all(self) -> None:
+        """The engine again but for the launcher, after its scheduler died with every
+        request: the other stages stopped, new segments, the three started (the model
+        loaded again). Clients keep their connections (their requests in flight fail)."""
+        with self._stop_lock:
+            if self._stopping.is_set():
+                raise EngineStartError("the engine is stopping")
+            procs = list(self.processes.values())
+            for proc in procs:
+                if proc.is_alive():
+                    proc.terminate()
+            deadline = time.monotonic() + STOP_GRACE_S
+            for proc in procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.join(5.0)
+                proc.close()
+            self.processes.clear()
+            for segment in self._segments:
+                segment.close()
+            self._segments = []
+            self.wiring = self._create_segments()
+            self.generations = {"output": 0, "executor": 0}
+            stages = ("executor", "scheduler", "output")
+            self._spawn(stages)
+        self._wait_ready(stages)
+        self._write_engine_file()
+
+    def _write_engine_file(self, keep: bool = True) -> None:
+        """How ``mpengine stacks/top ADDRESS`` find the stages; ``keep``: what else the
+        file says (``mpengine serve``'s URL) after a restart."""
+        if self._ipc_dir is None:
+            return
+        record = (read_engine_file(self._ipc_dir) if keep else None) or {}
+        record |= dict(pid=os.getpid(), runtime_dir=self.runtime_dir, stages=self.pids)
+        write_engine_file(self._ipc_dir, record)
 
     def _wait_results_taken(self) -> None:
         """Wait until the output processor has taken every result in the ring (after

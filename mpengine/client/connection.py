@@ -4,9 +4,10 @@
 Callers never touch a socket: they queue frames in an outbox and wake the thread through a
 pipe; the thread hands deltas and replies to per-request *sinks* (callables). One failing
 delivery (a closed event loop, a frame that does not decode) fails only the requests
-involved. A disconnect of the scheduler's socket means the engine died: every pending request
-fails with ``EngineDeadError``; the output socket alone may go down while the engine restarts
-its output processor, for at most ``OUTPUTS_RETURN_S``. When the thread stops (close,
+involved. A disconnect of the scheduler's socket means the engine died or restarts its
+scheduler: every pending request fails with ``EngineDeadError``; the output socket alone
+goes down while the engine restarts its output processor. A connection waits at most
+``STAGE_RETURN_S`` for a stage to come back. When the thread stops (close,
 engine death, or the client object garbage-collected) it aborts what is pending, in frames
 of at most ``ABORT_CHUNK_BYTES``, and closes its own sockets.
 """
@@ -63,10 +64,9 @@ MAX_FRAMES_PER_TURN = 1000  # frames read from one socket before serving the oth
 # waits this long for the launcher's word on why (a stage's error) before a generic one.
 LAUNCHER_WORD_S = 1.0
 MAX_CLIENT_ID_BYTES = 200  # a caller's client name (ZMQ routing ids: 255 bytes at most)
-# How long the output connection may stay down while the scheduler's is up (the engine
-# restarts a dead output processor: it serves again within seconds) before the engine
-# counts as dead.
-OUTPUTS_RETURN_S = 60.0
+# How long a connection to a stage may stay down (the engine restarts a stage that died:
+# it serves again within seconds, the model loaded again) before the engine counts as dead.
+STAGE_RETURN_S = 60.0
 
 
 def abort_frames(request_ids: Iterable[str], max_bytes: int = ABORT_CHUNK_BYTES) -> list[bytes]:
@@ -167,7 +167,9 @@ class Connection:
         self._ending: tuple[type[Exception], str] | None = None  # set once: no more sends
         self._abandoned = False
         self.supervised = False  # see mark_supervised
-        self._outputs_down: float | None = None  # since when the output connection is down
+        # Since when the connection to the scheduler, or to the output processor, is down.
+        self._requests_down: float | None = None
+        self._outputs_down: float | None = None
         self._pid = os.getpid()
         deadline = Deadline(timeout)
         hello = encoder.encode(Hello(self.routing_id))
@@ -352,20 +354,45 @@ class Connection:
                 self._receive(outputs.sock, deltas, self._on_output)
             if requests.sock in events:
                 self._receive(requests.sock, replies, self._on_reply)
-            if requests.monitor in events and requests.link() is False:
-                if self.supervised:
-                    self._await_launcher()
-                self._end(EngineDeadError, "the engine closed its connection (it stopped or died)")
+            if requests.monitor in events and (up := requests.link()) is not None:
+                if up:
+                    self._requests_down = None
+                else:
+                    self._scheduler_gone()
             if outputs.monitor in events and (up := outputs.link()) is not None:
                 # The output processor alone: the engine restarts it, and its requests go
-                # on (the scheduler's connection, closed too, says when the engine died).
+                # on (the scheduler's connection says when the engine died).
                 self._outputs_down = None if up else time.monotonic()
-            if self._outputs_down and time.monotonic() - self._outputs_down > OUTPUTS_RETURN_S:
-                self._end(
-                    EngineDeadError,
-                    f"the engine's output processor did not come back in {OUTPUTS_RETURN_S:g} s",
-                )
+            for since, stage in (
+                (self._requests_down, "scheduler"),
+                (self._outputs_down, "output"),
+            ):
+                if since and time.monotonic() - since > STAGE_RETURN_S:
+                    self._end(
+                        EngineDeadError,
+                        f"the engine closed its connection (it stopped or died): its {stage} "
+                        f"stage did not come back in {STAGE_RETURN_S:g} s",
+                    )
             self._flush()  # aborts of requests whose delivery failed
+
+    def _scheduler_gone(self) -> None:
+        """The scheduler's connection dropped: the engine died, or restarts its scheduler.
+        Either way the requests it held are gone: they fail now, to be retried. A launcher
+        in this process says which (``engine_died``); other clients keep the connection for
+        a new scheduler, for at most ``STAGE_RETURN_S``."""
+        if self.supervised:
+            self._await_launcher()
+            if self._ending is not None:
+                return
+        error = EngineDeadError(
+            "the engine's scheduler stopped, and the requests it held with it (it died, or "
+            "the engine restarts it): retry them"
+        )
+        for wire_id in list(self.sinks):
+            self._deliver(wire_id, error, final=True)
+        for query_id in list(self.queries):
+            self._call(self.queries.pop(query_id), error)
+        self._requests_down = time.monotonic()
 
     def _await_launcher(self) -> None:
         """Wait (a little) for the launcher's ``engine_died``, which says why."""

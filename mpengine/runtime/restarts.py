@@ -3,8 +3,10 @@ described.
 
 The output processor is restarted: its state is rebuilt from the scheduler's (``Resync``)
 and its clients connect to the new one by themselves. The executor is restarted: the
-scheduler recomputes what it had computed, as after a preemption. The scheduler is not: it
-holds every request. A crash loop gives up: at most
+scheduler recomputes what it had computed, as after a preemption. The scheduler held every
+request: they fail (clients are told to retry them), and the engine starts again but for
+the launcher (the other stages stopped, new segments, the model loaded again); clients keep
+their connections. A crash loop gives up: at most
 ``max_stage_restarts`` restarts of a stage in any ``stage_restart_window_s``; a start that
 fails counts as one more.
 """
@@ -16,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-RESTARTABLE = frozenset({"output", "executor"})
+RESTARTABLE = frozenset({"output", "executor", "scheduler"})
 
 
 class Restarts:

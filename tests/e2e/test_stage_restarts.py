@@ -19,6 +19,7 @@ import pytest
 
 import mpengine
 from mpengine import SamplingParams
+from mpengine.testing.engine import wait_idle
 from tests.e2e.test_server_cli import serving
 
 TIMEOUT_S = 60.0
@@ -131,8 +132,8 @@ def test_a_killed_stage_loses_no_stream(start_engine, stage) -> None:
         # It serves new requests as before.
         again = client.generate(PROMPTS[1], params[1], timeout=TIMEOUT_S)
         assert {s.index: s.token_ids for s in again.outputs} == want[1][0]
-        stats = client.stats()
-        assert stats.num_free_blocks == stats.num_blocks and stats.num_running == 0
+        stats = wait_idle(client, timeout=TIMEOUT_S)  # (it frees blocks once fed back)
+        assert stats.num_free_blocks == stats.num_blocks
 
 
 def test_restarts_beyond_the_limit_give_up(start_engine) -> None:
@@ -258,3 +259,32 @@ def test_http_streams_go_on_across_a_restart(tmp_path: Path) -> None:
         assert 'mpengine:stage_restarts_total{model_name="tiny",stage="output"} 1.0' in metrics
         with urllib.request.urlopen(served.url + "/health", timeout=TIMEOUT_S) as reply:
             assert reply.status == 200
+
+
+def test_a_killed_scheduler_ends_streams_to_be_retried_and_the_engine_serves_again(
+    start_engine,
+) -> None:
+    """The scheduler held every request: its death ends every stream at once with an
+    error saying to retry; the engine starts again but for the launcher, and both clients
+    (one the launcher supervises, one it does not) serve new requests on their old
+    connections."""
+    engine = start_engine(model="tiny", log_level="WARNING")
+    params = SamplingParams(max_tokens=3000, ignore_eos=True, temperature=0.0)
+    with engine.client() as client, mpengine.Client(engine.address) as remote:
+        ours = Streams(client, dict.fromkeys(range(4), params))
+        theirs = Streams(remote, dict.fromkeys(range(4, 8), params))
+        for streams in (ours, theirs):
+            streams.wait_for(lambda s=streams: s.least() >= 2, "streams under way")
+        pid = kill_output(engine, "scheduler")
+        killed_at = time.monotonic()
+        ours.join()
+        theirs.join()
+        assert time.monotonic() - killed_at < 2.0
+        errors = list(ours.errors.values()) + list(theirs.errors.values())
+        assert len(errors) == 8 and all(isinstance(e, mpengine.EngineDeadError) for e in errors)
+        assert all("retry" in str(e) for e in errors), errors
+        short = SamplingParams(max_tokens=8, temperature=0.0)
+        for c in (client, remote):
+            assert len(c.generate(PROMPTS[0], short, timeout=TIMEOUT_S).token_ids) == 8
+        assert engine.pids["scheduler"] != pid and engine.restarts.total == {"scheduler": 1}
+        assert engine.dead is None
