@@ -5,12 +5,13 @@
 process), spawns the stages with readable titles (``mpengine: scheduler`` ...), waits until
 they can serve (model loaded, KV cache sized) and watches them: if one dies, the others are
 stopped, segments and socket files are removed, and every client sees ``EngineDeadError``
-(its sockets disconnect).
+(its sockets disconnect), unless it restarts the stage (``runtime/restarts.py``).
 
 Safe on a shared host:
 
-- stages start as ``python -c STAGE_ENTRY``, which drops the caller's cwd from ``sys.path``
-  before any import (a stray ``setproctitle.py`` there must not run in the engine);
+- stages start as ``python -c STAGE_ENTRY`` (``runtime/stage_process.py``), which drops
+  the caller's cwd from ``sys.path`` before any import (a stray ``setproctitle.py`` there
+  must not run in the engine);
 - every stage is spawned from one long-lived thread (``_Spawner``): ``PR_SET_PDEATHSIG``
   fires when the spawning *thread* exits, so a launch from a short-lived thread would
   otherwise kill its stages;
@@ -26,26 +27,18 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
-import functools
 import logging
 import os
-import queue
 import resource
 import shutil
 import signal
-import site
-import socket
 import stat
-import subprocess
-import sys
-import sysconfig
 import tempfile
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import TypeVar
 
@@ -77,8 +70,8 @@ from mpengine.runtime.stage import (
     DRAIN_SIGNAL,
     EXECUTOR_SIGNAL,
     RESYNC_SIGNAL,
-    STOP_SIGNAL,
 )
+from mpengine.runtime.stage_process import StageProcess, _stage_env, halt
 from shm import Lockstep, Ring, sweep_stale
 from shm.reaper import Leftovers, Reaper, remove_ipc_files
 from shm.segment import free_space as shm_free_bytes
@@ -96,20 +89,6 @@ IPC_FILES = ["requests.sock", "outputs.sock", ENGINE_FILE]  # what an engine put
 DRAIN_TIMEOUT_S = 30.0
 ABORT_GRACE_S = 5.0  # after a drain's deadline: for the aborted requests' final outputs
 FLUSH_S = 0.1  # for the output stage's last sends (its sockets close with linger 0)
-
-# What each stage runs (``python -c STAGE_ENTRY STAGE FD PPID``). ``-c`` and ``-m`` put the
-# caller's cwd first on sys.path, where a stray ``setproctitle.py`` or ``msgspec.py`` would
-# shadow the real module in every stage: drop it before the first import. (``-P`` does the
-# same, but only from Python 3.11 on; under PYTHONSAFEPATH there is no such entry.)
-STAGE_ENTRY = (
-    "import sys\n"
-    "if sys.path and sys.path[0] == '':\n"
-    "    del sys.path[0]\n"
-    "from mpengine.runtime.entry import main\n"
-    "main()\n"
-)
-
-
 RINGS = 4  # plan, result, feedback, announce: ring_bytes each in /dev/shm
 MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path, less its NUL)
 OPEN_FILES = 65536  # the open-files limit an engine raises its soft limit to (as vLLM)
@@ -250,45 +229,6 @@ def lock_dir(directory: str) -> int:
             time.sleep(LOCK_POLL_S)
 
 
-_Job = tuple[Callable[[], subprocess.Popen[bytes]], Future[subprocess.Popen[bytes]]]
-
-
-class _Spawner:
-    """Runs every stage's ``Popen`` on one daemon thread that lives as long as the process.
-
-    A stage asks for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), and the kernel
-    means the *thread* that forked it: a stage spawned from a short-lived thread would be
-    killed when that thread returns.
-    """
-
-    _lock = threading.Lock()
-    _current: _Spawner | None = None
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="mpengine-spawner", daemon=True).start()
-
-    @classmethod
-    def popen(cls, argv: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
-        """``subprocess.Popen(argv, **kwargs)``, run on the spawner thread."""
-        with cls._lock:
-            if cls._current is None or cls._current.pid != os.getpid():  # none yet, or forked
-                cls._current = cls()
-            spawner = cls._current
-        future: Future[subprocess.Popen[bytes]] = Future()
-        spawner.jobs.put((functools.partial(subprocess.Popen, argv, **kwargs), future))
-        return future.result()
-
-    def _serve(self) -> None:
-        while True:
-            call, future = self.jobs.get()
-            try:
-                future.set_result(call())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-
 def _check_model(config: EngineConfig) -> None:
     """A model or tokenizer that cannot work is refused before any stage starts (the
     executor would find out after seconds of start-up): ``models.resolve.check_model``."""
@@ -296,78 +236,6 @@ def _check_model(config: EngineConfig) -> None:
         check_model(config.model, config.tokenizer)
     except (ValueError, OSError) as exc:
         raise EngineStartError(str(exc)) from None
-
-
-def _stage_env(root: str | None = None) -> dict[str, str]:
-    """The caller's environment, with the directory holding the package (``root``) first
-    on PYTHONPATH when it is a checkout, so that an uninstalled one works; an installed
-    package's site directory is found by the stages as by any interpreter, and put on
-    PYTHONPATH it would come before the standard library (a backport installed there, such
-    as PyPI's ``pathlib``, would shadow it in the stages only). The caller's entries stay,
-    except empty ones, which Python reads as the cwd."""
-    env = dict(os.environ)
-    root = root or str(Path(__file__).resolve().parent.parent)
-    entries = env.get("PYTHONPATH", "").split(os.pathsep)
-    if os.path.realpath(root) not in _site_dirs():
-        entries.insert(0, root)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in entries if p)
-    return env
-
-
-def _site_dirs() -> set[str]:
-    """Where this interpreter installs packages (its venv's, the user's)."""
-    paths = sysconfig.get_paths()
-    dirs = [paths["purelib"], paths["platlib"], *site.getsitepackages()]
-    if site.ENABLE_USER_SITE:
-        dirs.append(site.getusersitepackages())
-    return {os.path.realpath(d) for d in dirs}
-
-
-class StageProcess:
-    """A stage as a child process: ``python -c STAGE_ENTRY STAGE FD PPID RUNTIME_DIR``.
-
-    A fresh interpreter (not multiprocessing's spawn) so the caller's ``__main__`` is never
-    re-imported; the control connection is one end of a socketpair; ``sentinel`` is a pidfd
-    that becomes readable when the process exits.
-    """
-
-    def __init__(self, stage: str, runtime_dir: str) -> None:
-        self.stage = stage
-        ours, theirs = socket.socketpair()
-        argv = [sys.executable, "-c", STAGE_ENTRY, stage, str(theirs.fileno()), str(os.getpid())]
-        argv.append(runtime_dir)  # where it writes its stack dumps
-        try:
-            self.popen = _Spawner.popen(
-                argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=_stage_env()
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        self.conn = Connection(ours.detach())
-        self.pid = self.popen.pid
-        self.sentinel = os.pidfd_open(self.pid)
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.popen.poll()
-
-    def is_alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def terminate(self) -> None:
-        """Ask the stage to stop (``STOP_SIGNAL``: SIGTERM is its launcher's to handle)."""
-        with contextlib.suppress(ProcessLookupError):
-            self.popen.send_signal(STOP_SIGNAL)
-
-    def join(self, timeout: float | None = None) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout)
-
-    def close(self) -> None:
-        self.conn.close()
-        os.close(self.sentinel)
 
 
 class Engine:
@@ -595,7 +463,7 @@ class Engine:
             self.recovering = stage
             logger.error("%s: restarting it (restart %d)", reason, count)
             try:
-                self._respawn(stage)
+                self._respawn(stage, reason)
             except (EngineStartError, OSError) as exc:
                 reason = f"{reason}; its restart failed ({exc})"
                 continue
@@ -608,13 +476,16 @@ class Engine:
             logger.error("%s: no more restarts (at most %d in %g s)", stage, limit, window)
         return False
 
-    def _respawn(self, stage: str) -> None:
-        """``stage`` again, of its next generation. An output processor: the scheduler
+    def _respawn(self, stage: str, reason: str) -> None:
+        """``stage`` again (it died: ``reason``), of its next generation. The scheduler: the
+        engine again but for the launcher (``_restart_all``). An output processor: the scheduler
         re-announces every request for it (``RESYNC_SIGNAL``), its clients connect to it by
         themselves. An executor (with the KV cache's geometry of its predecessor): once the
         output processor has taken the dead one's last result, the scheduler recomputes
         what it had computed (``EXECUTOR_SIGNAL``)."""
         if stage == "scheduler":
+            for client in list(self._clients):
+                client.scheduler_lost(reason)
             self._restart_all()
             return
         old = self.processes[stage]
@@ -634,6 +505,7 @@ class Engine:
             self.wiring,
             output_generation=self.generations["output"],
             executor_generation=self.generations["executor"],
+            clients_returning=True,
         )
         with self._stop_lock:
             if self._stopping.is_set():
@@ -653,22 +525,12 @@ class Engine:
         with self._stop_lock:
             if self._stopping.is_set():
                 raise EngineStartError("the engine is stopping")
-            procs = list(self.processes.values())
-            for proc in procs:
-                if proc.is_alive():
-                    proc.terminate()
-            deadline = time.monotonic() + STOP_GRACE_S
-            for proc in procs:
-                proc.join(max(0.0, deadline - time.monotonic()))
-                if proc.is_alive():
-                    os.kill(proc.pid, signal.SIGKILL)
-                    proc.join(5.0)
-                proc.close()
+            halt(list(self.processes.values()), STOP_GRACE_S)
             self.processes.clear()
             for segment in self._segments:
                 segment.close()
             self._segments = []
-            self.wiring = self._create_segments()
+            self.wiring = msgspec.structs.replace(self._create_segments(), clients_returning=True)
             self.generations = {"output": 0, "executor": 0}
             stages = ("executor", "scheduler", "output")
             self._spawn(stages)
@@ -822,17 +684,7 @@ class Engine:
             self._reap(procs, grace)
 
     def _reap(self, procs: list[StageProcess], grace: float) -> None:
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()  # the loops see their stop flag within POLL_S
-        deadline = time.monotonic() + grace
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.join(5.0)
-        for proc in procs:
-            proc.close()
+        halt(procs, grace)
         self.processes.clear()
         if procs and self.config.trace:
             # Each stage wrote its part of the trace as it stopped: one file to open.

@@ -907,6 +907,9 @@ class Wiring(msgspec.Struct, **_WIRE):
     # an executor the plans of its own).
     output_generation: int = 0
     executor_generation: int = 0
+    # Stages were restarted: clients are connecting again (an output processor keeps the
+    # deltas of those not back yet for a while).
+    clients_returning: bool = False
 
 
 class ModelInfo(msgspec.Struct, **_WIRE):

@@ -71,7 +71,8 @@ def render_top(before: Sample, after: Sample, title: str) -> str:
         f"{s.num_preempted} preempted   finished {finished_per_s:.1f}/s   "
         f"preemptions {s.preemptions} ({getattr(s, 'fair_preemptions', 0)} for fair shares)   "
         f"tenants {getattr(s, 'num_tenants', 0)}   "
-        f"output processor restarts {getattr(s, 'resyncs', 0)}",
+        f"restarts: output {getattr(s, 'resyncs', 0)}, "
+        f"executor {getattr(s, 'executor_restarts', 0)}",
         f"KV cache  {used:6.1%} of {s.num_blocks} blocks",
         f"rate      {generated:.1f} tokens/s generated   {computed:.1f} tokens/s computed   "
         f"{steps_per_s:.1f} steps/s   lockstep lag {s.step - s.done} steps",

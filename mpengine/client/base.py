@@ -297,6 +297,11 @@ class ClientBase:
         moment for its word on why before failing requests with a generic reason."""
         self._conn.mark_supervised()
 
+    def scheduler_lost(self, reason: str) -> None:
+        """For the launcher that made this client: its engine's scheduler died (``reason``)
+        and the engine restarts; the requests in flight fail, saying why."""
+        self._conn.scheduler_lost(reason)
+
     def engine_died(self, reason: str) -> None:
         """The engine died (its launcher says why): every pending request fails now with
         ``EngineDeadError(reason)``, and no new one can be sent."""

@@ -170,6 +170,7 @@ class Connection:
         # Since when the connection to the scheduler, or to the output processor, is down.
         self._requests_down: float | None = None
         self._outputs_down: float | None = None
+        self._scheduler_lost: str | None = None  # why, as the launcher said
         self._pid = os.getpid()
         deadline = Deadline(timeout)
         hello = encoder.encode(Hello(self.routing_id))
@@ -303,6 +304,14 @@ class Connection:
         """The launcher saw the engine die (any thread): fail everything pending now."""
         self._end(EngineDeadError, reason)
 
+    def scheduler_lost(self, reason: str) -> None:
+        """The launcher saw the scheduler die and restarts the engine (any thread): what
+        is pending fails (``_scheduler_gone``) with ``reason``."""
+        with self._lock:
+            self._scheduler_lost = reason
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._wake_w, b"\0")
+
     def abandon(self) -> None:
         """The client object was garbage-collected. Runs in whatever thread the collector
         runs in, maybe inside a send holding the lock: only sets a flag for the I/O thread."""
@@ -384,9 +393,10 @@ class Connection:
             self._await_launcher()
             if self._ending is not None:
                 return
+        why = self._scheduler_lost or "it died, or the engine restarts it"
+        self._scheduler_lost = None
         error = EngineDeadError(
-            "the engine's scheduler stopped, and the requests it held with it (it died, or "
-            "the engine restarts it): retry them"
+            f"the engine's scheduler stopped ({why}), and the requests it held with it: retry them"
         )
         for wire_id in list(self.sinks):
             self._deliver(wire_id, error, final=True)
@@ -397,7 +407,9 @@ class Connection:
     def _await_launcher(self) -> None:
         """Wait (a little) for the launcher's ``engine_died``, which says why."""
         until = time.monotonic() + LAUNCHER_WORD_S
-        while self._ending is None and (left := until - time.monotonic()) > 0:
+        while self._ending is None and self._scheduler_lost is None:
+            if (left := until - time.monotonic()) <= 0:
+                break
             select.select([self._wake_r], [], [], left)
             with contextlib.suppress(BlockingIOError):
                 while os.read(self._wake_r, 4096):  # (also woken by sends meanwhile)

@@ -1,7 +1,7 @@
 """The entry point of every stage process: title, OpenMP defaults, handshake, dispatch.
 
 The launcher runs ``main()`` in a fresh interpreter (``python -c``, with the caller's cwd
-removed from ``sys.path`` first, see ``launch.STAGE_ENTRY``) and sends it the resolved
+removed from ``sys.path`` first, see ``stage_process.STAGE_ENTRY``) and sends it the resolved
 config and its wiring as msgpack bytes over one end of a socketpair; the stage then runs
 its loop (``processes.py``, ``serial.py``, ``threads.py``) until stopped. A stage that
 cannot start reports why in one line (an address in use says so plainly).
@@ -119,7 +119,7 @@ def failure_message(exc: BaseException) -> str:
 
 def main() -> None:
     """``python -c ... STAGE FD PPID [RUNTIME_DIR]``: run one stage (see
-    ``launch.StageProcess``)."""
+    ``runtime.stage_process.StageProcess``)."""
     runtime_dir = sys.argv[4] if len(sys.argv) > 4 else None
     run_stage(sys.argv[1], Connection(int(sys.argv[2])), int(sys.argv[3]), runtime_dir)
 

@@ -443,7 +443,7 @@ def run_output(config: EngineConfig, wiring: Wiring, control: Control, stop: Sto
     )
     edge = output_edge(config, wiring)
     with _stage(config, OUTPUT, links, edge) as clock:
-        door = OutputDoor(edge, processor, config, restarted=wiring.output_generation > 0)
+        door = OutputDoor(edge, processor, config, restarted=wiring.clients_returning)
         control.ready()
         output_loop(processor, door, links, clock, stop, wiring.output_generation)
 

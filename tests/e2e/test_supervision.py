@@ -208,7 +208,9 @@ def test_a_stage_that_raises_fails_requests_and_leaves_at_once(
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{path}" if path else str(tmp_path))
     monkeypatch.setenv("MPENGINE_TEST_RAISE_AT", "30")
     monkeypatch.setenv("MPENGINE_TEST_TEARDOWN", str(marker))
-    engine = start_engine(model="tiny", num_gpu_blocks_override=64, runtime=runtime)
+    engine = start_engine(
+        model="tiny", num_gpu_blocks_override=64, runtime=runtime, max_stage_restarts=0
+    )
     stage = "scheduler" if runtime == "processes" else "engine"
     failure = pytest.raises(mpengine.EngineDeadError, match="planted scheduler failure")
     with engine.client(timeout=60) as client, failure:

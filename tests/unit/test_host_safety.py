@@ -21,10 +21,7 @@ import zmq
 
 import mpengine
 from mpengine.launch import (
-    STAGE_ENTRY,
     EngineStartError,
-    _Spawner,
-    _stage_env,
     lock_dir,
     private_dir,
     sweep_stale_runtime_dirs,
@@ -32,6 +29,7 @@ from mpengine.launch import (
 from mpengine.models import tiny
 from mpengine.models.resolve import resolve_model
 from mpengine.runtime.entry import GOMP_SPINCOUNT, failure_message, openmp_defaults
+from mpengine.runtime.stage_process import STAGE_ENTRY, _Spawner, _stage_env
 from shm.segment import pid_namespace
 
 launch_mod = importlib.import_module("mpengine.launch")  # mpengine.launch is also a function
