@@ -737,6 +737,7 @@ class ResyncRequest(msgspec.Struct, **_WIRE):
     request: NewRequest
     outputs: list[Array]
     ended: list[int] = []  # indexes of the samples that have ended
+    scores: list[float] = []  # samples ranked at their end: each one's cumulative logprob
 
 
 class Resync(msgspec.Struct, **_WIRE):
@@ -887,6 +888,10 @@ class Feedback(msgspec.Struct, **_WIRE):
     gone_clients: list[str] = []
     # The executor's and the output processor's running totals, as of this step.
     times: dict[str, StageTimes] = {}
+    # Samples ranked at their end (best_of > n): each accepted token's logprob, which the
+    # scheduler sums for a restarted output processor.
+    scored_seq_ids: list[int] = []
+    scores: list[float] = []
 
 
 # -- launcher <-> stages (start-up pipes) ------------------------------------------------

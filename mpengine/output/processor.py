@@ -51,6 +51,7 @@ from mpengine.protocol import (
     OutputDelta,
     PromptLogprobs,
     Resync,
+    ResyncRequest,
     StepResult,
 )
 
@@ -106,6 +107,7 @@ class _StepNews:
     accepted_seqs: list[int] = field(default_factory=list)  # with accepted_tokens
     accepted_tokens: list[int] = field(default_factory=list)
     beam_steps: list[tuple[_Request, np.ndarray, np.ndarray]] = field(default_factory=list)
+    scored: list[tuple[int, float]] = field(default_factory=list)  # ranked samples' tokens
 
     def finished(self, seq_id: int, reason: FinishReason) -> None:
         self.finished_ids.append(seq_id)
@@ -196,11 +198,14 @@ class OutputProcessor:
             request = self._requests.get(key)
             if request is None:
                 continue
+            if request.beams is not None:
+                continue  # not replayable: the scheduler fails it next (``resync.py``)
+            if request.ranked is not None:
+                outputs += self._replay_ranked(request, entry, now)
+                continue
             for index in entry.ended:
                 del self._seqs[new.seq_ids[index]]
                 request.num_open -= 1
-            if request.beams is not None or request.ranked is not None:
-                continue  # not replayable: the scheduler fails it next (``resync.py``)
             for seq in self._open_seqs(request):
                 tokens = entry.outputs[seq.index].numpy().tolist()
                 if not tokens:
@@ -220,6 +225,22 @@ class OutputProcessor:
                 replay.num_prior_tokens = 0
                 outputs += self._emit(seq, replay)
         log.info("carrying on with %d requests", len(msg.requests))
+        return outputs
+
+    def _replay_ranked(self, request: _Request, entry: ResyncRequest, now: float) -> list[Output]:
+        """A request whose samples are ranked at their end: every sample's tokens again,
+        each delta held back as they were (an ended sample ends again at its last token),
+        with the cumulative logprobs fed back; its result if every sample has ended."""
+        outputs: list[Output] = []
+        for seq in self._open_seqs(request):
+            seq.cumulative_logprob = entry.scores[seq.index] if entry.scores else 0.0
+            for token_id in entry.outputs[seq.index].numpy().tolist():
+                delta = self._on_token(seq, token_id, now)
+                outputs += self._emit(seq, delta)
+                if delta.finish_reason is not None:
+                    break
+            if seq.index in entry.ended and seq.seq_id in self._seqs:  # (aborted, failed)
+                outputs += self._emit(seq, self._finish(seq, "abort", None, now, self._drain(seq)))
         return outputs
 
     def abort_client(self, client_id: str, message: str) -> list[Output]:
@@ -322,7 +343,9 @@ class OutputProcessor:
                     if request.num_logprobs is not None:
                         delta.logprobs = logprob_row(logprobs, row, request.num_logprobs)
                     if request.ranked is not None:
-                        seq.cumulative_logprob += logprobs.logprobs.numpy()[row].item()
+                        score = logprobs.logprobs.numpy()[row].item()
+                        seq.cumulative_logprob += score
+                        step.scored.append((seq_id, score))
                 if request.prompt_logprobs_due and seq.index == 0:
                     self._attach_prompt_logprobs(seq, delta)
                 if delta.finish_reason is not None:
@@ -360,6 +383,9 @@ class OutputProcessor:
             finished_seq_ids=step.finished_ids,
             finish_reasons=step.reasons,
         )
+        if step.scored:
+            feedback.scored_seq_ids = [seq_id for seq_id, _ in step.scored]
+            feedback.scores = [score for _, score in step.scored]
         if self._gone_news:
             feedback.gone_clients = self._gone_news[:GONE_CLIENTS_PER_FEEDBACK]
             del self._gone_news[:GONE_CLIENTS_PER_FEEDBACK]

@@ -46,6 +46,8 @@ class Sequence:
     num_registered: int = 0
     # Swapped out: the host blocks holding its KV (``num_computed`` is kept).
     host_block_ids: list[int] = field(default_factory=list)
+    # Ranked at the end (best_of > n): the sum of its tokens' logprobs, as fed back.
+    cumulative_logprob: float = 0.0
 
     def __post_init__(self) -> None:
         assert 0 <= self.num_computed <= len(self) and self.num_inflight >= 0

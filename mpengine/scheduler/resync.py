@@ -2,10 +2,11 @@
 sample's output tokens fed back so far (``Resync`` frames).
 
 The output processor's state is a function of those tokens (detokenizer offsets, stop
-string matching, the text sent), which it rebuilds by replaying them. What it cannot
-rebuild fails its request with an error the client may retry: the collected logprobs of
-samples ranked at the end (``best_of > n``), a beam search's hypotheses, and prompt
-logprobs gathered from a prefill not yet reported.
+string matching, the text sent; for samples ranked at their end, ``best_of > n``, what it
+holds back, with their cumulative logprobs, fed back too), which it rebuilds by replaying
+them. What it cannot rebuild fails its request with an error the client may retry: a beam
+search's hypotheses, the logprobs held back by ranked samples, and prompt logprobs
+gathered from a prefill not yet reported (or held back by ranked samples).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ def replayable(request: Request) -> bool:
     sampling = request.sampling
     if sampling is None:
         return True
-    if sampling.use_beam_search or sampling.ranks_samples:
+    if sampling.use_beam_search:
+        return False
+    if sampling.ranks_samples and (sampling.logprobs is not None or request.wants_prompt_logprobs):
         return False
     first = request.seqs[0]
     # Prompt logprobs go with sample 0's first token; those of a prefill under way are lost.
@@ -40,7 +43,10 @@ def resync_request(request: Request, seqs: list[Sequence]) -> ResyncRequest:
         outputs.append(Array.of(seq.token_ids[start:]))
         if seq.status is Status.FINISHED and request.pooling is None:
             ended.append(seq.sample_index)
-    return ResyncRequest(new_request(request, request.scheduled_time, seqs), outputs, ended)
+    ranked = request.sampling is not None and request.sampling.ranks_samples
+    scores = [seq.cumulative_logprob for seq in seqs] if ranked else []
+    announcement = new_request(request, request.scheduled_time, seqs)
+    return ResyncRequest(announcement, outputs, ended, scores)
 
 
 def resync_frames(

@@ -352,6 +352,9 @@ class Scheduler:
             seq.num_inflight -= 1
             self.counters["generated_tokens"] += 1
             assert seq.num_inflight >= 0, f"seq {seq_id}: more tokens than planned"
+        for seq_id, score in zip(feedback.scored_seq_ids, feedback.scores, strict=True):
+            if (seq := self.seqs.get(seq_id)) is not None:
+                seq.cumulative_logprob += score
         if len(feedback.beam_seq_ids):
             self.counters["generated_tokens"] += continue_beams(
                 feedback, self.seqs, self.blocks, self._table_updates

@@ -180,7 +180,8 @@ def test_a_crash_during_a_restart_is_restarted_too(start_engine, stage) -> None:
     ("stage", "kind", "lost"),
     [
         ("output", "plain", False),
-        ("output", "best_of", True),  # its samples' logprobs: the scheduler never had them
+        ("output", "best_of", False),  # replayed, held back again, with the scores fed back
+        ("output", "best_of_logprobs", True),  # the logprobs it held back: never fed back
         ("executor", "best_of", False),  # (kept by the output processor)
         ("executor", "beams", True),  # a lost step's continuations
     ],
@@ -190,15 +191,18 @@ def test_what_cannot_be_rebuilt_fails_to_be_retried(start_engine, stage, kind, l
     retry it; the others carry on."""
     engine = start_engine(model="tiny", log_level="WARNING")
     with engine.client() as client:
-        long = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
-        streams = Streams(client, dict.fromkeys(range(len(PROMPTS)), long))
-        streams.wait_for(lambda: streams.least() >= 5, "5 tokens each")
         kinds = {
             "best_of": SamplingParams(max_tokens=200, ignore_eos=True, n=1, best_of=2, seed=1),
+            "best_of_logprobs": SamplingParams(max_tokens=200, ignore_eos=True, n=1, best_of=2,
+                                               seed=1, logprobs=2),
             "beams": SamplingParams(max_tokens=200, ignore_eos=True, n=1, beam_width=2,
                                     use_beam_search=True),
             "plain": SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0),
         }  # fmt: skip
+        long = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
+        want = client.generate([9, 9, 9], kinds[kind], timeout=TIMEOUT_S) if not lost else None
+        streams = Streams(client, dict.fromkeys(range(len(PROMPTS)), long))
+        streams.wait_for(lambda: streams.least() >= 5, "5 tokens each")
         result: dict[str, object] = {}
 
         def run() -> None:
@@ -220,6 +224,10 @@ def test_what_cannot_be_rebuilt_fails_to_be_retried(start_engine, stage, kind, l
             assert "retry it" in (message or ""), result
         else:
             assert error is None and len(out.token_ids) == 200, result  # type: ignore[union-attr]
+            assert out.token_ids == want.token_ids and out.text == want.text  # type: ignore[union-attr]
+            score, wanted = out.outputs[0].cumulative_logprob, want.outputs[0].cumulative_logprob  # type: ignore[union-attr]
+            assert (score is None) == (wanted is None)
+            assert wanted is None or score == pytest.approx(wanted, rel=1e-4, abs=1e-3)
 
 
 def test_http_streams_go_on_across_a_restart(tmp_path: Path) -> None:
