@@ -738,6 +738,9 @@ class ResyncRequest(msgspec.Struct, **_WIRE):
     outputs: list[Array]
     ended: list[int] = []  # indexes of the samples that have ended
     scores: list[float] = []  # samples ranked at their end: each one's cumulative logprob
+    # It starts over (a beam search): results of steps up to this one are for its old
+    # state, never visible.
+    restarted_after: int = 0
 
 
 class Resync(msgspec.Struct, **_WIRE):

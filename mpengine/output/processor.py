@@ -81,6 +81,9 @@ class _Request:
     beams: BeamGroup | None = None  # beam search: its state, decided here each step
     # The prompt's last tokens (``NewRequest.prompt_tail``): an output's text follows them.
     context: list[int] = field(default_factory=list)
+    # It started over after this step (``ResyncRequest.restarted_after``): results of that
+    # step and earlier are for its old state.
+    restarted_after: int = 0
 
 
 @dataclass(slots=True)
@@ -198,8 +201,7 @@ class OutputProcessor:
             request = self._requests.get(key)
             if request is None:
                 continue
-            if request.beams is not None:
-                continue  # not replayable: the scheduler fails it next (``resync.py``)
+            request.restarted_after = entry.restarted_after
             if request.ranked is not None:
                 outputs += self._replay_ranked(request, entry, now)
                 continue
@@ -294,7 +296,7 @@ class OutputProcessor:
         failed = result.failed_seq_ids.numpy().tolist()
         for seq_id, error in zip(failed, result.errors, strict=True):
             seq = self._seqs.get(seq_id)
-            if seq is not None:
+            if seq is not None and seq.request.restarted_after < result.step:
                 # A beam fails its whole search: the others would wait for it forever.
                 group = self._open_seqs(seq.request) if seq.request.beams is not None else [seq]
                 self._fail(group, error, step)
@@ -327,6 +329,8 @@ class OutputProcessor:
             if seq is None:  # finished, aborted or dropped: this token is never visible
                 continue
             request = seq.request
+            if request.restarted_after >= result.step:
+                continue  # for the state it had before it started over
             row = rows.get(pos)
             try:
                 if request.beams is not None:

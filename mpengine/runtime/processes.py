@@ -195,7 +195,7 @@ def scheduler_loop(
     generation = 0  # of the output processor announced to
     while not stop:
         if (asked := type(scheduler).executor_losses) != scheduler.executor_generation:
-            lose_executor(scheduler, links, asked)  # it was restarted
+            lose_executor(scheduler, links, asked, generation)  # it was restarted
         if (asked := type(scheduler).resyncs_asked) != generation:  # it was restarted
             generation = asked
             resync_output(scheduler, links, generation)
@@ -249,14 +249,16 @@ def scheduler_loop(
             clock.idle()
 
 
-def lose_executor(scheduler: Scheduler, links: Links, generation: int) -> None:
+def lose_executor(
+    scheduler: Scheduler, links: Links, generation: int, output_generation: int
+) -> None:
     """A restarted executor starts over from what the scheduler knows: apply every feedback
     of what the dead one computed (the launcher waited for the output processor to take
     its last result), then recompute (``Scheduler.lose_executor``)."""
     feedbacks, announces = links.feedbacks, links.announces
     while (frame := feedbacks.try_get()) is not None:
         scheduler.apply_feedback(feedbacks.decode(frame))
-    scheduler.lose_executor(generation)
+    scheduler.lose_executor(generation, output_generation)
     for announcement in scheduler.take_announcements():
         announces.put(announces.encode(announcement))
 
@@ -307,6 +309,44 @@ def executor_loop(
         clock.end_step(EXECUTOR)
 
 
+class Announced:
+    """The announce ring as the output processor reads it. A restarted one learns every
+    request from the scheduler (the ``Resync`` of its generation; one for a predecessor
+    that died starting is stale) before it reads a result: ``awaiting`` until then."""
+
+    def __init__(self, processor: OutputProcessor, links: Links, generation: int) -> None:
+        self.processor = processor
+        self.announces, self.done = links.announces, links.done
+        self.generation = generation
+        self.awaiting = generation > 0
+
+    def take(self, msg: Announcement) -> list[tuple[str, OutputDelta]]:
+        if isinstance(msg, Resync) and msg.generation != self.generation:
+            return []
+        deltas = self.processor.announce(msg)
+        if isinstance(msg, Resync) and msg.last:
+            self.awaiting = False
+            if msg.done > self.done.value:  # (fed back, but the counter was not moved yet)
+                self.done.advance_to(msg.done)
+        return deltas
+
+    def drain(self) -> list[tuple[str, OutputDelta]]:
+        """Every announcement waiting now."""
+        deltas = []
+        while (frame := self.announces.try_get()) is not None:
+            deltas += self.take(self.announces.decode(frame))
+        return deltas
+
+    def next(self, timeout: float) -> list[tuple[str, OutputDelta]]:
+        """The next announcement, waiting up to ``timeout`` for it."""
+        try:
+            with self.announces.get_view(timeout) as frame:
+                msg = self.announces.decode(frame)
+        except TimeoutError:
+            return []
+        return self.take(msg)
+
+
 def output_loop(
     processor: OutputProcessor,
     door: OutputDoor,
@@ -315,46 +355,15 @@ def output_loop(
     stop: StopFlag,
     generation: int = 0,
 ) -> None:
-    results, announces, feedbacks, done = (
-        links.results,
-        links.announces,
-        links.feedbacks,
-        links.done,
-    )
-    # A restarted output processor learns every request from the scheduler (the
-    # ``Resync`` of its generation; one for a predecessor that died starting is stale)
-    # before it reads a result.
-    awaiting = generation > 0
-
-    def announced(msg: Announcement) -> list[tuple[str, OutputDelta]]:
-        nonlocal awaiting
-        if isinstance(msg, Resync) and msg.generation != generation:
-            return []
-        deltas = processor.announce(msg)
-        if isinstance(msg, Resync) and msg.last:
-            awaiting = False
-            if msg.done > done.value:  # (fed back, but the counter was not moved yet)
-                done.advance_to(msg.done)
-        return deltas
-
-    def drain_announcements() -> list[tuple[str, OutputDelta]]:
-        deltas = []
-        while (frame := announces.try_get()) is not None:
-            deltas += announced(announces.decode(frame))
-        return deltas
-
+    results, feedbacks, done = links.results, links.feedbacks, links.done
+    announced = Announced(processor, links, generation)
     while not stop:
         # 1. client greetings; announcements that need no step (aborts of queued requests)
         door.greet()
-        door.send(drain_announcements())
+        door.send(announced.drain())
         clock.work(OUTPUT, "greet")
-        if awaiting:
-            try:
-                with announces.get_view(POLL_S) as frame:
-                    msg = announces.decode(frame)
-            except TimeoutError:
-                continue
-            door.send(announced(msg))
+        if announced.awaiting:  # (restarted: every request comes first)
+            door.send(announced.next(POLL_S))
             continue
         # 2. the next result (while a request is open, one is on its way: a wait, not idle)
         try:
@@ -374,7 +383,7 @@ def output_loop(
                 continue
             clock.begin_step(OUTPUT, result.step)
             # 3. its announcements were written before its plan, so they are all here now
-            deltas = drain_announcements()
+            deltas = announced.drain()
             feedback, step_deltas = processor.process(result)
             clock.work(OUTPUT, "process")
             # 4. the deltas, then the feedback (carrying the executor's totals and ours) and

@@ -4,9 +4,10 @@ sample's output tokens fed back so far (``Resync`` frames).
 The output processor's state is a function of those tokens (detokenizer offsets, stop
 string matching, the text sent; for samples ranked at their end, ``best_of > n``, what it
 holds back, with their cumulative logprobs, fed back too), which it rebuilds by replaying
-them. What it cannot rebuild fails its request with an error the client may retry: a beam
-search's hypotheses, the logprobs held back by ranked samples, and prompt logprobs
-gathered from a prefill not yet reported (or held back by ranked samples).
+them; beam searches start over (``Scheduler._restart_beams``). What it cannot rebuild fails
+its request with an error the client may retry: the logprobs held back by ranked samples,
+and prompt logprobs gathered from a prefill not yet reported (or held back by ranked
+samples).
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ def replayable(request: Request) -> bool:
     sampling = request.sampling
     if sampling is None:
         return True
-    if sampling.use_beam_search:
-        return False
     if sampling.ranks_samples and (sampling.logprobs is not None or request.wants_prompt_logprobs):
         return False
     first = request.seqs[0]
@@ -34,9 +33,11 @@ def replayable(request: Request) -> bool:
     return not (request.wants_prompt_logprobs and first.num_outputs == 0 and first.num_computed)
 
 
-def resync_request(request: Request, seqs: list[Sequence]) -> ResyncRequest:
+def resync_request(
+    request: Request, seqs: list[Sequence], restarted_after: int = 0
+) -> ResyncRequest:
     """``request``'s announcement (of ``seqs``, its sequences) and each one's output
-    tokens fed back so far."""
+    tokens fed back so far; ``restarted_after``: it starts over after that step."""
     outputs, ended = [], []
     start = request.num_prompt_tokens
     for seq in seqs:
@@ -46,21 +47,22 @@ def resync_request(request: Request, seqs: list[Sequence]) -> ResyncRequest:
     ranked = request.sampling is not None and request.sampling.ranks_samples
     scores = [seq.cumulative_logprob for seq in seqs] if ranked else []
     announcement = new_request(request, request.scheduled_time, seqs)
-    return ResyncRequest(announcement, outputs, ended, scores)
+    return ResyncRequest(announcement, outputs, ended, scores, restarted_after)
 
 
 def resync_frames(
-    requests: list[tuple[Request, list[Sequence]]],
+    requests: list[tuple[Request, list[Sequence], int]],
     generation: int,
     done: int,
     max_frame_bytes: int,
 ) -> Iterator[Resync]:
-    """The ``Resync`` frames for ``requests`` (each with its sequences), each at most
-    ``max_frame_bytes`` encoded (a request larger than that alone in one)."""
+    """The ``Resync`` frames for ``requests`` (each with its sequences and the step it
+    starts over after), each at most ``max_frame_bytes`` encoded (a request larger than
+    that alone in one)."""
     chunk: list[ResyncRequest] = []
     size = 0
-    for request, seqs in requests:
-        entry = resync_request(request, seqs)
+    for request, seqs, restarted_after in requests:
+        entry = resync_request(request, seqs, restarted_after)
         entry_size = len(encoder.encode(entry))
         if chunk and size + entry_size > max_frame_bytes:
             yield Resync(generation, done, chunk, last=False)

@@ -60,6 +60,7 @@ from mpengine.protocol import (
     Feedback,
     ModelInfo,
     PoolingInfo,
+    Resync,
     SeqStart,
     StepPlan,
 )
@@ -70,7 +71,7 @@ from mpengine.scheduler.plan import aborted_requests, build_plan, new_request, r
 from mpengine.scheduler.policy import choose_victim, fair_victim, next_to_resume, resume_first
 from mpengine.scheduler.prefix_staging import PrefixStaging
 from mpengine.scheduler.request import Request, Sequence, Status
-from mpengine.scheduler.resync import RESTARTED, replayable, resync_frames
+from mpengine.scheduler.resync import RESTARTED, replayable, resync_frames, resync_request
 from mpengine.scheduler.step import BlockDelta, StepBatch, StepBudget
 from mpengine.scheduler.swap import HostSwap
 from mpengine.scheduler.waiting import WaitingQueue
@@ -239,8 +240,9 @@ class Scheduler:
 
     def resync(self, generation: int) -> None:
         """The output processor was restarted (every feedback its predecessor wrote is
-        applied): announce what it needs to carry on (``resync.py``); the requests it cannot
-        carry on fail, to be retried."""
+        applied): announce what it needs to carry on (``resync.py``); beam searches start
+        over (``_restart_beams``); the requests it cannot carry on fail, to be retried."""
+        restarted = {id(r) for r in self._restart_beams()}
         requests = [(r, list(r.seqs)) for r in self.requests.values() if r.announced]
         # Pooled requests finish when planned; those whose step is not fed back yet still
         # wait for their embedding.
@@ -250,7 +252,9 @@ class Scheduler:
             if seq.request.pooling is not None and seq.last_step > self.done
         ]
         frame_bytes = min(1 << 20, self.ring_bytes // 4)
-        self.announcements += resync_frames(requests, generation, self.done, frame_bytes)
+        planned = self.next_step - 1  # (the steps in flight carry the beams' old state)
+        entries = [(r, seqs, planned if id(r) in restarted else 0) for r, seqs in requests]
+        self.announcements += resync_frames(entries, generation, self.done, frame_bytes)
         lost: dict[str, list[str]] = {}
         for request, _ in requests:
             if not request.finished and not replayable(request):
@@ -266,21 +270,45 @@ class Scheduler:
             sum(map(len, lost.values())),
         )
 
-    def lose_executor(self, generation: int) -> None:
+    def _restart_beams(self) -> list[Request]:
+        """Every announced beam search starts over, its hypotheses and scores lost with a
+        stage (its result is sent only when it ends: no client saw any of it): each beam
+        back to the prompt, preempted for recompute. Returns those requests."""
+        requests = [r for r in self.requests.values() if r.beam_search and r.announced]
+        for request in requests:
+            for seq in request.seqs:
+                if seq.status is Status.RUNNING:
+                    self.running.remove(seq)
+                    self.waiting.unseat(request.tenant)
+                    self.prefix.withdraw(seq)
+                    self.preempted.appendleft(seq)
+                elif seq.status is Status.PREEMPTED:
+                    self.swap.drop(seq)
+                else:
+                    continue
+                self._free_blocks_and_slot(seq)
+                seq.status = Status.PREEMPTED
+                seq.token_ids, seq.block_hashes = list(request.prompt_token_ids), []
+                seq.num_computed = seq.num_inflight = seq.num_registered = 0
+        return requests
+
+    def lose_executor(self, generation: int, output_generation: int = 0) -> None:
         """The executor died and one of ``generation`` starts, with an empty cache, no
         slots and no request parameters (every feedback of the dead one applied). What it
         computed is recomputed, as after a preemption; the steps planned after ``done`` are
         lost, so the next plan is ``done + 1`` (the new executor drops older generations').
         Seeded samples draw what they would have (a draw's seed is derived from the
-        request's seed and the token's index). What cannot be recomputed fails, to be
-        retried: beam searches (a lost step's continuations), and pooled requests planned
-        in a lost step (they finish when planned)."""
+        request's seed and the token's index). Beam searches start over (a lost step's
+        continuations are missing), and the output processor (of ``output_generation``)
+        learns so (a ``Resync`` of them). What cannot be recomputed fails, to be retried:
+        pooled requests planned in a lost step (they finish when planned)."""
+        beams = self._restart_beams()
+        if beams:
+            entries = [resync_request(r, list(r.seqs), self.done) for r in beams]
+            self.announcements.append(Resync(output_generation, self.done, entries))
         lost: dict[str, list[str]] = {}
-        for request in list(self.requests.values()):
+        for request in self.requests.values():
             request.params_sent = False
-            if request.beam_search and request.announced:
-                lost.setdefault(request.client_id, []).append(request.request_id)
-                self._finish_request(request)
         for seq in self.finished_unfreed:
             if seq.request.pooling is not None and seq.last_step > self.done:
                 lost.setdefault(seq.request.client_id, []).append(seq.request.request_id)

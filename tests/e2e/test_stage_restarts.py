@@ -182,8 +182,9 @@ def test_a_crash_during_a_restart_is_restarted_too(start_engine, stage) -> None:
         ("output", "plain", False),
         ("output", "best_of", False),  # replayed, held back again, with the scores fed back
         ("output", "best_of_logprobs", True),  # the logprobs it held back: never fed back
+        ("output", "beams", False),  # a beam search starts over
         ("executor", "best_of", False),  # (kept by the output processor)
-        ("executor", "beams", True),  # a lost step's continuations
+        ("executor", "beams", False),  # starts over too (a lost step's continuations)
     ],
 )
 def test_what_cannot_be_rebuilt_fails_to_be_retried(start_engine, stage, kind, lost) -> None:
