@@ -296,7 +296,7 @@ class OutputProcessor:
         failed = result.failed_seq_ids.numpy().tolist()
         for seq_id, error in zip(failed, result.errors, strict=True):
             seq = self._seqs.get(seq_id)
-            if seq is not None and seq.request.restarted_after < result.step:
+            if seq is not None and not 0 < result.step <= seq.request.restarted_after:
                 # A beam fails its whole search: the others would wait for it forever.
                 group = self._open_seqs(seq.request) if seq.request.beams is not None else [seq]
                 self._fail(group, error, step)
@@ -329,7 +329,7 @@ class OutputProcessor:
             if seq is None:  # finished, aborted or dropped: this token is never visible
                 continue
             request = seq.request
-            if request.restarted_after >= result.step:
+            if 0 < result.step <= request.restarted_after:
                 continue  # for the state it had before it started over
             row = rows.get(pos)
             try:
