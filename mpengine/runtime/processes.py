@@ -23,6 +23,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -195,10 +196,11 @@ def scheduler_loop(
     generation = 0  # of the output processor announced to
     while not stop:
         if (asked := type(scheduler).executor_losses) != scheduler.executor_generation:
-            lose_executor(scheduler, links, asked, generation)  # it was restarted
-        if (asked := type(scheduler).resyncs_asked) != generation:  # it was restarted
+            # the executor was restarted
+            after_restart(scheduler, links, partial(scheduler.lose_executor, asked, generation))
+        if (asked := type(scheduler).resyncs_asked) != generation:  # the output processor
             generation = asked
-            resync_output(scheduler, links, generation)
+            after_restart(scheduler, links, partial(scheduler.resync, generation))
         # 1. requests and aborts (wait for them only when there is nothing else to do)
         in_flight = scheduler.done < scheduler.next_step - 1
         idle = not scheduler.has_unfinished and not in_flight
@@ -249,27 +251,15 @@ def scheduler_loop(
             clock.idle()
 
 
-def lose_executor(
-    scheduler: Scheduler, links: Links, generation: int, output_generation: int
-) -> None:
-    """A restarted executor starts over from what the scheduler knows: apply every feedback
-    of what the dead one computed (the launcher waited for the output processor to take
-    its last result), then recompute (``Scheduler.lose_executor``)."""
+def after_restart(scheduler: Scheduler, links: Links, carry_on: Callable[[], None]) -> None:
+    """A stage was restarted: apply every feedback left in the ring (all that a dead output
+    processor wrote; of a dead executor's results, all: the launcher waited for the output
+    processor to take the last), then ``carry_on()`` (``Scheduler.resync``, or
+    ``.lose_executor``), and send the announcements it makes."""
     feedbacks, announces = links.feedbacks, links.announces
     while (frame := feedbacks.try_get()) is not None:
         scheduler.apply_feedback(feedbacks.decode(frame))
-    scheduler.lose_executor(generation, output_generation)
-    for announcement in scheduler.take_announcements():
-        announces.put(announces.encode(announcement))
-
-
-def resync_output(scheduler: Scheduler, links: Links, generation: int) -> None:
-    """A restarted output processor carries on from what the scheduler knows: apply every
-    feedback its predecessor wrote, then announce each request's state (``Resync``)."""
-    feedbacks, announces = links.feedbacks, links.announces
-    while (frame := feedbacks.try_get()) is not None:
-        scheduler.apply_feedback(feedbacks.decode(frame))
-    scheduler.resync(generation)
+    carry_on()
     for announcement in scheduler.take_announcements():
         announces.put(announces.encode(announcement))
 

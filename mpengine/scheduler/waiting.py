@@ -50,6 +50,8 @@ class WaitingQueue:
 
     def first(self) -> Request | None:
         """The request whose turn it is (dropping those aborted meanwhile), or None."""
+        if not self._queues:  # (the scheduler asks every step)
+            return None
         best: tuple[int, int, int, Request] | None = None
         while self._idle:
             priority, key, tenant = self._idle[0]
@@ -60,8 +62,11 @@ class WaitingQueue:
             heapq.heappop(self._idle)  # stale: admitted, aborted or running since
             if head is not None and head.key != key and tenant not in self.running:
                 heapq.heappush(self._idle, (head.priority, head.key, tenant))
-        for tenant, count in self.running.items():
-            if tenant in self._queues and (head := self._head(tenant)) is not None:
+        # Tenants that run sequences and wait: walk the fewer of the two.
+        fewer = self._queues if len(self._queues) < len(self.running) else self.running
+        for tenant in list(fewer):
+            count = self.running.get(tenant, 0)
+            if count and tenant in self._queues and (head := self._head(tenant)) is not None:
                 turn = (head.priority, count, head.key, head)
                 if best is None or turn[:3] < best[:3]:
                     best = turn
