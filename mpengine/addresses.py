@@ -4,6 +4,7 @@ PORT, outputs on PORT+1). An IPv6 host is written in brackets (``tcp://[::1]:555
 from __future__ import annotations
 
 import os
+import socket
 
 # Hosts that bind every interface; a client reaches them at a host of its own choosing.
 WILDCARD_HOSTS = {"", "*", "0.0.0.0", "[::]", "::", "[*]"}
@@ -76,3 +77,10 @@ def output_address(request_address: str, advertised: str) -> str:
         return advertised
     request = split_tcp(request_address)
     return connectable(advertised) if request is None else f"tcp://{request[0]}:{out[1]}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the kernel's pick; free until someone binds it)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -23,6 +23,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 WEEK_S = 7 * 24 * 3600.0
 ANNOUNCE_SLACK = 64 * 1024  # a NewRequest's bytes beyond its AddRequest's
+MAX_TP = 64  # tensor-parallel ranks (readers of one broadcast ring)
 
 
 def cgroups() -> list[tuple[list[str], str]]:
@@ -104,6 +105,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: Annotated[int, Meta(ge=1, le=4096)] | None = None
+    tensor_parallel_size: Annotated[int, Meta(ge=1, le=MAX_TP)] = 1
     enforce_eager: bool = False
     attention_backend: Literal["auto", "torch", "native", "triton"] = "auto"
     compile_decode: bool = False
@@ -139,6 +141,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise ValueError(f"trace: {self.trace!r} is a folder: give a file to write")
         if self.address:
             check_engine_address(self.address)
+        if self.tensor_parallel_size > 1 and self.runtime != "processes":
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} needs the processes "
+                f"runtime (an executor process per rank), not {self.runtime!r}"
+            )
         # A request is announced to the output processor in one ring frame.
         if self.ring_bytes < self.max_request_bytes + ANNOUNCE_SLACK:
             raise ValueError(
@@ -165,12 +172,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         compute (all-MiniLM-L6-v2 embedding 1.6x, the small model generating 1.2-1.45x
         faster with both; tools/bench_embed.py, bench_engine.py). Without ``num_threads``,
         a CPU executor runs each size of step with one thread or these, whichever it times
-        faster (``executor/threads.py``)."""
+        faster (``executor/threads.py``). Tensor-parallel ranks split the cores: each
+        takes its share (``num_threads`` is per rank)."""
         if self.num_threads is not None:
             return self.num_threads
         cores = available_cpus()
         overlapped = self.runtime in ("processes", "threads") and cores > 2
-        return cores - 1 if overlapped else cores
+        return max(1, (cores - 1 if overlapped else cores) // self.tensor_parallel_size)
 
     @property
     def num_slots(self) -> int:
@@ -219,6 +227,9 @@ HELP = {
     "num_threads": "torch threads in the executor (default: on the CPU, one or all cores, "
     "whichever runs each size of step faster, timed as it runs; all cores but one in the "
     "processes and threads runtimes on machines with more than two)",
+    "tensor_parallel_size": "executor processes that split the model by its tensor-parallel "
+    "plan (torch.distributed: NCCL, one GPU each, or gloo on the CPU, the cores split between "
+    "them); decoders whose transformers config has a plan (llama, qwen, mistral...)",
     "enforce_eager": "never replay CUDA graphs: run every step eagerly (CUDA only; decode "
     "steps are captured as graphs at start-up otherwise)",
     "attention_backend": "paged attention kernels: auto (triton on CUDA; on the CPU native, "

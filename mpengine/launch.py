@@ -44,7 +44,7 @@ from typing import TypeVar
 
 import msgspec
 
-from mpengine.addresses import split_tcp
+from mpengine.addresses import free_port, split_tcp
 from mpengine.client.async_client import AsyncClient
 from mpengine.client.sync_client import Client
 from mpengine.config import EngineConfig, MiB, available_cpus
@@ -64,7 +64,8 @@ from mpengine.runtime.engine_file import (
     read_engine_file,
     write_engine_file,
 )
-from mpengine.runtime.restarts import RESTARTABLE, Restarts, exit_cause
+from mpengine.runtime.ranks import rank_stages
+from mpengine.runtime.restarts import RESTARTABLE, RESTARTABLE_WITH_RANKS, Restarts, exit_cause
 from mpengine.runtime.stage import (
     ABORT_SIGNAL,
     DRAIN_SIGNAL,
@@ -73,6 +74,7 @@ from mpengine.runtime.stage import (
 )
 from mpengine.runtime.stage_process import StageProcess, _stage_env, halt
 from shm import Lockstep, Ring, sweep_stale
+from shm.broadcast import Broadcast
 from shm.reaper import Leftovers, Reaper, remove_ipc_files
 from shm.segment import free_space as shm_free_bytes
 from shm.segment import owner_prefix, pid_alive, pid_namespace
@@ -247,7 +249,11 @@ class Engine:
         self.model: ModelInfo | None = None
         self.dead: str | None = None
         # Stages restarted after they died (``restarts.py``); the one restarting now.
-        self.restarts = Restarts(config.max_stage_restarts, config.stage_restart_window_s)
+        self.restarts = Restarts(
+            config.max_stage_restarts,
+            config.stage_restart_window_s,
+            restartable=RESTARTABLE if config.tensor_parallel_size == 1 else RESTARTABLE_WITH_RANKS,
+        )
         self.recovering: str | None = None
         self.generations = {"output": 0, "executor": 0}  # restarts so far, of each
         self._stopping = threading.Event()
@@ -296,7 +302,7 @@ class Engine:
             self._reaper = self._start_reaper()
             if config.runtime == "processes":
                 self.wiring = self._create_segments()
-                stages = ("executor", "scheduler", "output")
+                stages = self._stages()
             else:
                 stages = ("engine",)
             self._spawn(stages)
@@ -353,13 +359,18 @@ class Engine:
             )
             return None
 
+    def _stages(self) -> tuple[str, ...]:
+        """The processes runtime's stages: the executor's ranks first (they load the model)."""
+        return ("executor", *rank_stages(self.config), "scheduler", "output")
+
     def _create_segments(self) -> Wiring:
         engine_id, size = self.config.engine_id, self.config.ring_bytes
         rings = {}
-        need, free = RINGS * size, shm_free_bytes()
+        num_rings = RINGS + (self.config.tensor_parallel_size > 1)
+        need, free = num_rings * size, shm_free_bytes()
         if need > free:
             raise EngineStartError(
-                f"the engine's {RINGS} shared-memory rings need {need / MiB:.0f} MiB "
+                f"the engine's {num_rings} shared-memory rings need {need / MiB:.0f} MiB "
                 f"(ring_bytes {size / MiB:.1f} MiB each) in /dev/shm, which has "
                 f"{free / MiB:.0f} MiB free: enlarge /dev/shm (docker run --shm-size=1g) or "
                 "lower --ring-bytes (and --max-request-bytes below it)"
@@ -369,6 +380,8 @@ class Engine:
                 rings[purpose] = Ring.create(engine_id, purpose, size)
                 self._segments.append(rings[purpose])  # tracked at once: unlinked if a later fails
             done = Lockstep.create(engine_id, "done")
+            self._segments.append(done)
+            ranks = self._create_rank_ring()
         except FileExistsError as exc:
             raise EngineStartError(
                 f"engine_id {engine_id!r} is in use by another engine ({exc}): give each "
@@ -376,7 +389,6 @@ class Engine:
             ) from None
         except OSError as exc:  # (/dev/shm filled meanwhile, or no room for a semaphore)
             raise EngineStartError(f"cannot create the engine's shared memory: {exc}") from None
-        self._segments.append(done)
         return msgspec.structs.replace(
             self.wiring,
             plan_ring=rings["plan"].name,
@@ -384,7 +396,20 @@ class Engine:
             feedback_ring=rings["feedback"].name,
             announce_ring=rings["announce"].name,
             lockstep=done.name,
+            rank_ring=ranks.name if ranks is not None else "",
+            dist_init=f"tcp://127.0.0.1:{free_port()}" if ranks is not None else "",
         )
+
+    def _create_rank_ring(self) -> Broadcast | None:
+        """The ring rank 0 broadcasts each plan on to the other tensor-parallel ranks."""
+        config = self.config
+        if config.tensor_parallel_size == 1:
+            return None
+        ring = Broadcast.create(
+            config.engine_id, "ranks", config.ring_bytes, config.tensor_parallel_size - 1
+        )
+        self._segments.append(ring)
+        return ring
 
     def _spawn(self, stages: tuple[str, ...]) -> None:
         config_bytes, wiring_bytes = self.config.encode(), encoder.encode(self.wiring)
@@ -532,7 +557,7 @@ class Engine:
             self._segments = []
             self.wiring = msgspec.structs.replace(self._create_segments(), clients_returning=True)
             self.generations = {"output": 0, "executor": 0}
-            stages = ("executor", "scheduler", "output")
+            stages = self._stages()
             self._spawn(stages)
         self._wait_ready(stages)
         self._write_engine_file()

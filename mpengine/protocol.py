@@ -918,6 +918,10 @@ class Wiring(msgspec.Struct, **_WIRE):
     # Stages were restarted: clients are connecting again (an output processor keeps the
     # deltas of those not back yet for a while).
     clients_returning: bool = False
+    # Tensor-parallel ranks: the ring rank 0 broadcasts the plans on, the process group's
+    # address (torch.distributed's init_method).
+    rank_ring: str = ""
+    dist_init: str = ""
 
 
 class ModelInfo(msgspec.Struct, **_WIRE):

@@ -176,29 +176,17 @@ class Ring:
         appeared within ``timeout`` seconds (nothing of the frame is published).
         """
         n = frame.nbytes if type(frame) is memoryview else len(frame)
-        size = (n + 15) & ~7
         cap = self.capacity
-        w = self._w
+        w, need, skip = place(self._w, n, cap, self.name)
+        if need > self._r_seen:
+            self._reserve(need, timeout)
         pos = w % cap
-        skip = -1
-        if size <= cap - pos:
-            if w + size - cap > self._r_seen:
-                self._reserve(w + size - cap, timeout)
-        else:
-            if size > cap:
-                raise ValueError(f"frame of {n} bytes exceeds {self.name}'s max of {cap - 8}")
-            # Skip the rest of this lap; the record goes to offset 0 of the next one.
-            lap_end = w + cap - pos
-            need = min(w, lap_end + size - cap)
-            if need > self._r_seen:
-                self._reserve(need, timeout)
-            skip, w, pos = w, lap_end, 0
         self._hdr[pos >> 3] = n
         start = HEADER_SIZE + 8 + pos
         self._buf[start : start + n] = frame
         if skip >= 0:  # the lap end is skipped once the record is there (a copy that raised,
             self._skip.value = skip  # for a frame of the wrong type, leaves the ring as it was)
-        w += size
+        w += (n + 15) & ~7
         self._w = w
         self._wcur.value = w  # publish: the record is complete in memory before this store
         if self._cwait.value:
@@ -353,6 +341,22 @@ class _FrameView:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.ring._release_view()
+
+
+def place(w: int, n: int, cap: int, name: str) -> tuple[int, int, int]:
+    """Where a record of ``n`` payload bytes goes when the write cursor is ``w`` in a ring
+    of ``cap`` bytes: ``(start, need, skip)``, its start cursor, the read cursor the room
+    needs, and the skip cursor to publish with it (-1: none). A record that does not fit in
+    the rest of the lap starts the next one, skipping the rest. ValueError if it can never
+    fit."""
+    size = (n + 15) & ~7
+    pos = w % cap
+    if size <= cap - pos:
+        return w, w + size - cap, -1
+    if size > cap:
+        raise ValueError(f"frame of {n} bytes exceeds {name}'s max of {cap - 8}")
+    lap_end = w + cap - pos
+    return lap_end, min(w, lap_end + size - cap), w
 
 
 def _deadline(timeout: float | None) -> float:

@@ -47,7 +47,7 @@ _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 
 _COUNT_UNITS["G"] = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 # vLLM's names of the same flags, so its users' command lines work.
-VLLM_ALIASES = {"prefix_caching": "--enable-prefix-caching"}
+VLLM_ALIASES = {"prefix_caching": "--enable-prefix-caching", "tensor_parallel_size": "-tp"}
 
 
 def _dtype(text: str) -> str:

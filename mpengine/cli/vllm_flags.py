@@ -4,7 +4,7 @@ its own for: one table, so that what each does here stays written in one place.
 Every flag of the table is accepted by ``mpengine serve``. Given with a value this engine
 serves as asked (``-tp 1``, ``--kv-cache-dtype auto``), it is silent; given where it has no
 effect here, it is named in one start-up note with the reason; given with a value that
-cannot be honoured (``-tp 2``, ``--kv-cache-dtype fp8``, ``--enable-lora``), serving is
+cannot be honoured (``-pp 2``, ``--kv-cache-dtype fp8``, ``--enable-lora``), serving is
 refused at once, with the reason. The flags that map onto the engine's own (``--dtype
 half``, ``--enable-prefix-caching``, ``--max-model-len 4k``...) are engine flags
 (``cli.args``), not listed here.
@@ -36,12 +36,12 @@ class VllmFlag:
         return "vllm_" + self.names[0].lstrip("-").replace("-", "_")
 
 
-ONE_EXECUTOR = "this engine runs one executor on one device"
+ONE_EXECUTOR = "this engine serves one replica (split by -tp at most)"
+NO_PIPELINE = "layers are not split in stages: -tp splits every layer instead"
 OFFLINE = "models load offline, as they are on disk"
 
 TABLE: tuple[VllmFlag, ...] = (
-    VllmFlag(("--tensor-parallel-size", "-tp"), int, ONE_EXECUTOR, served=(1,), refused=True),
-    VllmFlag(("--pipeline-parallel-size", "-pp"), int, ONE_EXECUTOR, served=(1,), refused=True),
+    VllmFlag(("--pipeline-parallel-size", "-pp"), int, NO_PIPELINE, served=(1,), refused=True),
     VllmFlag(("--data-parallel-size", "-dp"), int, ONE_EXECUTOR, served=(1,), refused=True),
     VllmFlag(
         ("--distributed-executor-backend",), str, ONE_EXECUTOR, served=("mp", "uni"), refused=True
@@ -86,7 +86,7 @@ TABLE: tuple[VllmFlag, ...] = (
     VllmFlag(("--max-seq-len-to-capture",), int, "CUDA graphs cover every decode batch size"),
     VllmFlag(("--num-scheduler-steps",), int, "the scheduler plans every step", served=(1,)),
     VllmFlag(("--compilation-config", "-O"), str, "see --compile-decode and --enforce-eager"),
-    VllmFlag(("--disable-custom-all-reduce",), SWITCH, ONE_EXECUTOR),
+    VllmFlag(("--disable-custom-all-reduce",), SWITCH, "collectives are torch.distributed's"),
     VllmFlag(("--disable-frontend-multiprocessing",), SWITCH, "the HTTP server is one process"),
     VllmFlag(("--max-parallel-loading-workers",), int, "a model loads in one process"),
     VllmFlag(("--enable-sleep-mode",), SWITCH, "the engine does not sleep"),

@@ -14,6 +14,7 @@ padded batches through the model's own attention (``_execute_encoder``, ``encode
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -42,6 +43,7 @@ from mpengine.executor.pooler import Pooler, finalize
 from mpengine.executor.sampler import PendingSample, Sampler, token_logprobs
 from mpengine.executor.slots import SlotState
 from mpengine.executor.step_rows import StepRows
+from mpengine.executor.tensor_parallel import LostRank, RankGroup
 from mpengine.executor.threads import ThreadTuner
 from mpengine.protocol import (
     EMPTY_IDS,
@@ -92,20 +94,29 @@ class Executor:
 
     A sequence that cannot run, or a step whose forward raises, is reported in the result's
     ``failed_seq_ids``; the executor keeps serving (see ``execute``). ``attention_backend``
-    overrides the device's default (tests compare the backends).
+    overrides the device's default (tests compare the backends). ``ranks``: this process
+    is one rank of a tensor-parallel executor (``tensor_parallel``); rank 0 alone samples,
+    the others take its ids.
     """
 
-    def __init__(self, config: EngineConfig, attention_backend: Backend | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        attention_backend: Backend | None = None,
+        ranks: RankGroup | None = None,
+    ) -> None:
         if attention_backend is None and config.attention_backend != "auto":
             attention_backend = config.attention_backend
         torch.set_num_threads(config.max_threads)
         self.config = config
+        self.ranks = ranks
+        self.driver = ranks is None or ranks.driver
         memory = gpu_memory_start(config)  # before the model takes any of the device's
         self.loaded: LoadedModel = load_model(config)
         _check_encoder_budget(config, self.loaded)
         self.model = self.loaded.model
         self.device = self.loaded.device
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and ranks is None:
             linear.install(self.model)  # weights prepacked by oneDNN (see linear.py)
         spec = kv_cache_spec(self.loaded, config.block_size)
         self.backend: Backend = choose_backend(
@@ -115,6 +126,13 @@ class Executor:
             self.loaded.num_heads,
         )
         size = size_kv_cache(config, self.loaded, spec, self.backend, memory)
+        if ranks is not None:  # every rank holds as many blocks, as long sequences
+            size = dataclasses.replace(
+                size,
+                num_blocks=ranks.agree_min(size.num_blocks),
+                num_host_blocks=ranks.agree_min(size.num_host_blocks),
+                max_model_len=ranks.agree_min(size.max_model_len),
+            )
         self.num_blocks, self.max_model_len = size.num_blocks, size.max_model_len
         self.kv_storage = allocate_kv_cache(spec, self.num_blocks, self.device)
         self.kv_caches = list(self.kv_storage.unbind(0))
@@ -189,6 +207,7 @@ class Executor:
             or self.backend != "triton"
             or self.config.enforce_eager
             or not self.loaded.can_generate
+            or self.ranks is not None  # (collectives in graphs: not built yet)
         ):
             return None
         from mpengine.executor.cuda_graphs import DecodeGraphs, max_graph_batch
@@ -205,15 +224,17 @@ class Executor:
         the tuner may pick, where it applies."""
         if not self.config.compile_decode:
             return None
-        if self.backend == "native" and self.loaded.can_generate and self.pooler is None:
+        compiles = self.loaded.can_generate and self.pooler is None and self.ranks is None
+        if self.backend == "native" and compiles:
             return CompiledDecode.compile(self.model, self.kv_caches, thread_counts)
         logger.warning(
             "compile_decode ignored: it compiles the decode steps of a generating "
-            "model without pooling on native attention (here %s attention, "
-            "generating %s, pooling %s)",
+            "model without pooling on native attention, in one rank (here %s attention, "
+            "generating %s, pooling %s, %d ranks)",
             self.backend,
             self.loaded.can_generate,
             self.loaded.pooling is not None,
+            self.config.tensor_parallel_size,
         )
         return None
 
@@ -272,7 +293,7 @@ class Executor:
             else:
                 result = self._execute(plan, failures)
         except Exception as exc:
-            if device_lost(exc):
+            if device_lost(exc) or isinstance(exc, LostRank):
                 raise  # the stage exits: its supervisor fails the requests, a service restarts
             logger.exception("step %d failed", plan.step)
             message = f"{type(exc).__name__}: {exc}"
@@ -317,13 +338,14 @@ class Executor:
         sampling = np.flatnonzero(rows.sample & (pool_kinds < 0))
         prompt_chunks = self._prompt_logprob_chunks(rows)
         inputs = self._prepare(rows, sampling, prompt_chunks)
-        self._masks = self._fill_masks(rows, sampling)
+        if self.driver:
+            self._masks = self._fill_masks(rows, sampling)
 
         # 4. forward, into blocks zeroed where it writes their first row (beside it, where a
         # core is spare, a worker thread fills the grammar masks; "grammar": what is left)
         self.marks.append(("forward", time.perf_counter()))
         pools = bool((pool_kinds >= 0).any())
-        logits, hidden = self._forward(inputs, pools) if inputs is not None else (None, None)
+        logits, hidden = self._forward_step(inputs, pools) if inputs is not None else (None, None)
         if self._masks is not None:
             self.marks.append(("grammar", time.perf_counter()))
             self._masks.wait()
@@ -332,6 +354,10 @@ class Executor:
         # ids on the host); remember each sampled token for the slot's next decode
         self.marks.append(("sample", time.perf_counter()))
         result = _empty_result(plan.step)
+        if len(sampling) and not self.driver:
+            assert inputs is not None
+            self._follow_samples(rows, sampling, inputs.sample_slots, failures)
+            return result  # (only rank 0's results leave the executor)
         if len(sampling):
             assert logits is not None and inputs is not None
             self._sample_step(result, rows, sampling, logits, inputs.sample_slots, failures)
@@ -343,7 +369,7 @@ class Executor:
 
         # 7. prompt logprobs, one entry per chunk (their logits follow the sampling rows')
         self.marks.append(("finish", time.perf_counter()))
-        if prompt_chunks:
+        if prompt_chunks and self.driver:
             assert logits is not None
             chunk_logits = logits[len(sampling) :]
             self._add_prompt_logprobs(result, rows, prompt_chunks, chunk_logits, failures)
@@ -505,6 +531,18 @@ class Executor:
         logits_rows = np.concatenate([sample_rows, *(c.logits_rows for c in prompt_chunks)])
         return self.batch.prepare(rows, logits_rows, rows.slots[sampling])
 
+    def _forward_step(
+        self, inputs: StepInputs, pools: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``_forward``; with ranks, a forward that raises ends this rank (the others wait
+        in its collectives: they cannot go on without it)."""
+        if self.ranks is None:
+            return self._forward(inputs, pools)
+        try:
+            return self._forward(inputs, pools)
+        except Exception as exc:
+            raise LostRank(f"rank {self.ranks.rank}: the forward failed: {exc!r}") from exc
+
     def _forward(
         self, inputs: StepInputs, pools: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -569,6 +607,33 @@ class Executor:
         if pending is not None:
             self._collect(pending, result, rows.slots[sampled], synced=bool(ok.all()))
         result.seq_ids = Array.of(rows.seq_ids[sampled], "int64")
+        if self.ranks is not None:  # the other ranks' last tokens (see _follow_samples)
+            ids = np.full(len(sampling), -1, np.int64)
+            if pending is not None:
+                ids[ok] = result.token_ids.numpy()
+            self.ranks.share_ids(ids, len(sampling))
+
+    def _follow_samples(
+        self,
+        rows: StepRows,
+        sampling: np.ndarray,
+        sample_slots: torch.Tensor,
+        failures: dict[int, str],
+    ) -> None:
+        """A rank other than 0: rank 0's draws for the rows ``sampling`` become the slots'
+        last tokens, as its own did there; a row it failed to sample fails here too."""
+        assert self.ranks is not None
+        ids = self.ranks.share_ids(None, len(sampling))
+        self.marks.append(("copy", time.perf_counter()))
+        ok = ids >= 0
+        slots = rows.slots[sampling]
+        self.slots.last_token[slots[ok]] = ids[ok]
+        for row in np.flatnonzero(~ok):
+            failures[int(rows.seq_ids[sampling[row]])] = "its sampling failed on rank 0"
+        if ok.all():
+            self.batch.record_sampled(sample_slots, torch.from_numpy(ids).to(self.device))
+        else:
+            self.batch.sync_rows(slots[ok])
 
     def _sample(
         self,

@@ -25,23 +25,25 @@ from mpengine.executor.executor import Executor
 from mpengine.executor.input_batch import StepInputs
 from mpengine.executor.sampler import PendingSample
 from mpengine.executor.step_rows import StepRows
+from mpengine.executor.tensor_parallel import RankGroup
 from mpengine.protocol import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
 
-def create_executor(config: EngineConfig) -> Executor:
-    """The executor a stage runs: a :class:`FaultyExecutor` when a fault switch is set in
-    the environment, else the plain :class:`Executor`."""
+def create_executor(config: EngineConfig, ranks: RankGroup | None = None) -> Executor:
+    """The executor a stage runs (a tensor-parallel rank of ``ranks``): a
+    :class:`FaultyExecutor` when a fault switch is set in the environment, else the plain
+    :class:`Executor`."""
     steps, seqs = fault_steps(), fault_seqs()
     if not steps and not seqs:
-        return Executor(config)
+        return Executor(config, ranks=ranks)
     logger.warning(
         "fault injection: failing the forward of steps %s, sampling of seqs %s",
         sorted(steps),
         sorted(seqs),
     )
-    return FaultyExecutor(config, steps, seqs)
+    return FaultyExecutor(config, steps, seqs, ranks=ranks)
 
 
 class FaultyExecutor(Executor):
@@ -54,8 +56,9 @@ class FaultyExecutor(Executor):
         fault_steps: frozenset[int],
         fault_seqs: frozenset[int],
         attention_backend: Backend | None = None,
+        ranks: RankGroup | None = None,
     ) -> None:
-        super().__init__(config, attention_backend)
+        super().__init__(config, attention_backend, ranks)
         self.fault_steps = fault_steps
         self.fault_seqs = fault_seqs
         self._step = -1  # the step being run

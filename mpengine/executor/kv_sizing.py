@@ -8,7 +8,8 @@ Device blocks, the first rule that applies:
 * on a GPU, this engine's share of the device less what a profiled step needs, measured
   after the weights load (``gpu_memory``; :func:`gpu_memory_start` notes the device's
   memory before they do);
-* on the CPU, ``kv_cache_bytes`` (1 GiB by default) in whole blocks.
+* on the CPU, ``kv_cache_bytes`` (1 GiB by default) in whole blocks (split between
+  tensor-parallel ranks, each holding its share of the heads).
 
 Swap space (``preemption_mode`` swap): ``swap_space`` bytes in whole blocks. A cache that
 holds fewer tokens than ``max_model_len`` lowers it to what it holds (a longer sequence
@@ -84,7 +85,8 @@ def size_kv_cache(
         num_blocks = profiled_num_blocks(config, spec, loaded, backend, memory)
     else:
         budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else DEFAULT_CPU_BYTES
-        num_blocks = blocks_in(budget, spec)
+        # the engine's bytes: each tensor-parallel rank holds its heads' share of them
+        num_blocks = blocks_in(budget // config.tensor_parallel_size, spec)
     return KVCacheSize(
         spec=spec,
         num_blocks=num_blocks,

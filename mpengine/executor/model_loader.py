@@ -30,12 +30,14 @@ from transformers import (
     GenerationConfig,
     PretrainedConfig,
 )
+from transformers.distributed import DistributedConfig
 from transformers.utils import logging as hf_logging
 
 from mpengine.config import EngineConfig
 from mpengine.executor.attention import ATTENTION_NAME
 from mpengine.executor.model_audit import AttentionGeometry, UnsupportedModel, audit_attention
 from mpengine.executor.paged_attention import register_attention
+from mpengine.executor.tensor_parallel import check_plan
 from mpengine.models.resolve import resolve_model
 from mpengine.protocol import INT32_MAX, Pooling, PoolingInfo, SamplingParams
 
@@ -108,7 +110,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, text_config, device)
-    model = _from_pretrained(path, kind, hf_config, dtype)
+    tp_size = config.tensor_parallel_size
+    if tp_size > 1:
+        check_plan(hf_config, kind, tp_size, device)
+    model = _from_pretrained(path, kind, hf_config, dtype, tp_size)
     model.to(device).eval()
     geometry = _attention_geometry(model, kind, text_config, device)
     pooling = _pooling_info(config, kind, declared, text_config.hidden_size)
@@ -144,10 +149,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 
 def _from_pretrained(
-    path: str, kind: str, hf_config: PretrainedConfig, dtype: torch.dtype
+    path: str, kind: str, hf_config: PretrainedConfig, dtype: torch.dtype, tp_size: int = 1
 ) -> torch.nn.Module:
     """The model of ``kind`` (see :func:`_model_kind`): an encoder with upstream attention,
-    a decoder with the paged attention function."""
+    a decoder with the paged attention function; split by its tensor-parallel plan over
+    ``tp_size`` ranks (their process group created already, see ``tensor_parallel``)."""
     hf_logging.disable_progress_bar()  # the stage logs its own one-line summary
     if kind == "encoder":
         # Upstream attention (SDPA) with a padding mask: bidirectional, no KV cache.
@@ -155,7 +161,12 @@ def _from_pretrained(
     register_attention()
     auto_class = AutoModelForCausalLM if kind == "causal" else AutoModel
     try:
-        return auto_class.from_pretrained(path, attn_implementation=ATTENTION_NAME, dtype=dtype)
+        kwargs = {}
+        if tp_size > 1:
+            kwargs["distributed_config"] = DistributedConfig(tp_size=tp_size)
+        return auto_class.from_pretrained(
+            path, attn_implementation=ATTENTION_NAME, dtype=dtype, **kwargs
+        )
     except KeyError as exc:
         if exc.args != (ATTENTION_NAME,):
             raise

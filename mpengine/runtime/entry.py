@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import functools
 import logging
 import os
 import sys
@@ -25,6 +26,7 @@ import zmq
 from mpengine.config import EngineConfig
 from mpengine.protocol import Wiring
 from mpengine.runtime.processes import run_executor, run_output, run_scheduler
+from mpengine.runtime.ranks import rank_of, run_rank
 from mpengine.runtime.serial import run_serial
 from mpengine.runtime.stage import (
     Control,
@@ -61,7 +63,8 @@ def run_stage(
     """The body of every stage process; the launcher sends the config and wiring first."""
     die_with_parent(parent_pid)
     setproctitle.setproctitle(f"mpengine: {stage}")
-    setproctitle.setthreadtitle(f"mpe:{stage}")  # /proc/PID/comm holds 15 characters
+    comm = stage.replace("executor tp", "exec tp")  # /proc/PID/comm holds 15 characters
+    setproctitle.setthreadtitle(f"mpe:{comm}")
     openmp_defaults()
     config_bytes, wiring_bytes = conn.recv_bytes(), conn.recv_bytes()
     config = EngineConfig.decode(config_bytes)
@@ -75,6 +78,8 @@ def run_stage(
             run = run_threads if config.runtime == "threads" else run_serial
         elif stage in RUNS:
             run = RUNS[stage]
+        elif (rank := rank_of(stage)) is not None:
+            run = functools.partial(run_rank, rank=rank)
         else:
             raise ValueError(f"unknown stage {stage!r}")
         run(config, wiring, control, stop)

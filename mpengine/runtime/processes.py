@@ -44,9 +44,11 @@ from mpengine.protocol import (
 )
 from mpengine.runtime.edges import REPLY_HWM, Edge
 from mpengine.runtime.front import FrontDoor, OutputDoor
+from mpengine.runtime.ranks import join_ranks
 from mpengine.runtime.stage import Control, StopFlag
 from mpengine.runtime.timing import EXECUTOR, OUTPUT, SCHEDULER, Clock, Trace
 from shm import Lockstep, Ring
+from shm.broadcast import Broadcast
 
 if TYPE_CHECKING:
     from mpengine.executor import Executor
@@ -265,8 +267,14 @@ def after_restart(scheduler: Scheduler, links: Links, carry_on: Callable[[], Non
 
 
 def executor_loop(
-    executor: Executor, links: Links, clock: Clock, stop: StopFlag, generation: int = 0
+    executor: Executor,
+    links: Links,
+    clock: Clock,
+    stop: StopFlag,
+    generation: int = 0,
+    fan_out: Callable[[memoryview], None] | None = None,
 ) -> None:
+    """``fan_out``: where each plan frame goes on to the other tensor-parallel ranks."""
     plans, results, done = links.plans, links.results, links.done
     last_step = 0
     while not stop:
@@ -275,6 +283,8 @@ def executor_loop(
         try:
             with plans.get_view(POLL_S) as frame:
                 clock.wait(EXECUTOR, "plan_ring")
+                if fan_out is not None:
+                    fan_out(frame)
                 plan = plans.decode(frame)
             if plan.generation != generation:
                 continue  # planned for a predecessor that died: its steps are lost
@@ -396,15 +406,19 @@ def output_loop(
 def run_executor(config: EngineConfig, wiring: Wiring, control: Control, stop: StopFlag) -> None:
     from mpengine.executor import create_executor
 
-    executor = create_executor(config)
+    executor = create_executor(config, join_ranks(config, wiring, 0))
     links = Links(
         Lockstep.attach(wiring.lockstep),  # read, never waited on
         plans=Link.ring(wiring.plan_ring, plan_decoder()),
         results=Link.ring(wiring.result_ring),
     )
-    with _stage(config, EXECUTOR, links) as clock:
+    with contextlib.ExitStack() as stack:
+        fan_out = None
+        if wiring.rank_ring:
+            fan_out = stack.enter_context(Broadcast.writer(wiring.rank_ring)).put
+        clock = stack.enter_context(_stage(config, EXECUTOR, links))
         control.ready(executor.info)
-        executor_loop(executor, links, clock, stop, wiring.executor_generation)
+        executor_loop(executor, links, clock, stop, wiring.executor_generation, fan_out)
 
 
 def run_scheduler(config: EngineConfig, wiring: Wiring, control: Control, stop: StopFlag) -> None:

@@ -19,6 +19,9 @@ from collections import deque
 from collections.abc import Callable
 
 RESTARTABLE = frozenset({"output", "executor", "scheduler"})
+# A tensor-parallel executor is not restarted: a new rank cannot join its peers' process
+# group, so a rank that dies ends the engine.
+RESTARTABLE_WITH_RANKS = frozenset({"output", "scheduler"})
 
 
 class Restarts:
@@ -26,8 +29,13 @@ class Restarts:
     limit now."""
 
     def __init__(
-        self, limit: int, window_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        limit: int,
+        window_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        restartable: frozenset[str] = RESTARTABLE,
     ) -> None:
+        self.restartable = restartable
         self.limit = limit
         self.window_s = window_s
         self.clock = clock
@@ -36,7 +44,7 @@ class Restarts:
 
     def allow(self, stage: str) -> bool:
         """Whether ``stage`` may be restarted once more now."""
-        if stage not in RESTARTABLE:
+        if stage not in self.restartable:
             return False
         recent = self._recent.setdefault(stage, deque())
         while recent and self.clock() - recent[0] > self.window_s:

@@ -20,7 +20,7 @@ def test_the_stage_runs_a_faulty_executor_only_when_a_switch_is_set(
     built: list[EngineConfig] = []
     # No model: what is constructed is all that matters here.
     monkeypatch.setattr(
-        Executor, "__init__", lambda self, config, backend=None: built.append(config)
+        Executor, "__init__", lambda self, config, backend=None, ranks=None: built.append(config)
     )
     monkeypatch.delenv("MPENGINE_FAULT_STEPS", raising=False)
     monkeypatch.delenv("MPENGINE_FAULT_SEQS", raising=False)

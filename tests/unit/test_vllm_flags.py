@@ -14,7 +14,7 @@ from mpengine.cli.args import parse_count
 
 # What deployment scripts pass to `vllm serve` (a Kubernetes example, a systemd unit...).
 DEPLOYMENT = shlex.split(
-    "serve Qwen/Qwen3-0.6B --host 0.0.0.0 --port 8000 --trust-remote-code -tp 1 "
+    "serve Qwen/Qwen3-0.6B --host 0.0.0.0 --port 8000 --trust-remote-code -tp 1 -pp 1 "
     "--disable-log-stats --enable-chunked-prefill --max-logprobs 20 --kv-cache-dtype auto "
     "--load-format auto --revision main --max-model-len 4k --gpu-memory-utilization 0.9 "
     "--max-num-seqs 128 --dtype half --enable-prefix-caching --reasoning-parser qwen3 "
@@ -35,7 +35,7 @@ def test_a_deployment_command_line_is_accepted_and_its_pointless_flags_named(cap
     for flag in ("--trust-remote-code", "--disable-log-stats", "--enable-chunked-prefill"):
         assert flag in note
     assert "--max-logprobs 20" in note and "--reasoning-parser qwen3" in note
-    for served in ("--tensor-parallel-size", "--kv-cache-dtype", "--load-format"):
+    for served in ("--pipeline-parallel-size", "--kv-cache-dtype", "--load-format"):
         assert served not in note  # served as asked: nothing to say
     config = config_from_args(args)
     assert config.max_model_len == 4000 and config.dtype == "float16"
@@ -45,7 +45,7 @@ def test_a_deployment_command_line_is_accepted_and_its_pointless_flags_named(cap
 @pytest.mark.parametrize(
     "flags, reason",
     [
-        (["-tp", "2"], "--tensor-parallel-size 2 cannot be served: this engine runs one"),
+        (["-pp", "2"], "--pipeline-parallel-size 2 cannot be served: layers are not split"),
         (["--pipeline-parallel-size", "4"], "--pipeline-parallel-size 4 cannot be served"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 cannot be served: the KV cache has"),
         (["--quantization", "awq"], "--quantization awq cannot be served"),
@@ -80,7 +80,7 @@ def test_the_help_says_what_each_flag_does() -> None:
     text = " ".join(serve.format_help().split())
     assert "vLLM's flags" in text
     assert "--trust-remote-code no effect: models run with transformers' own classes" in text
-    assert "other values refused: this engine runs one executor" in text
+    assert "other values refused: this engine serves one replica" in text
 
 
 @pytest.mark.parametrize(
