@@ -110,10 +110,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, text_config, device)
-    tp_size = config.tensor_parallel_size
-    if tp_size > 1:
-        check_plan(hf_config, kind, tp_size, device)
-    model = _from_pretrained(path, kind, hf_config, dtype, tp_size)
+    model = _from_pretrained(path, kind, hf_config, dtype, config.tensor_parallel_size)
     model.to(device).eval()
     geometry = _attention_geometry(model, kind, text_config, device)
     pooling = _pooling_info(config, kind, declared, text_config.hidden_size)
@@ -146,6 +143,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
             sampling_defaults(path, config.generation_config) if kind == "causal" else {}
         ),
     )
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """Refuse a model that ``tensor_parallel_size`` ranks cannot split, from its config
+    alone (each rank, before it joins the others: ``tensor_parallel.check_plan``)."""
+    hf_config = AutoConfig.from_pretrained(resolve_model(config.model))
+    device = resolve_device(config.device)
+    check_plan(hf_config, _model_kind(hf_config), config.tensor_parallel_size, device)
 
 
 def _from_pretrained(

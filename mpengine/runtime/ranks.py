@@ -49,9 +49,10 @@ def join_ranks(config: EngineConfig, wiring: Wiring, rank: int) -> RankGroup | N
     """This process's rank in the executor's process group (None with one rank)."""
     if config.tensor_parallel_size == 1:
         return None
-    from mpengine.executor.model_loader import resolve_device
+    from mpengine.executor.model_loader import check_tensor_parallel, resolve_device
     from mpengine.executor.tensor_parallel import RankGroup
 
+    check_tensor_parallel(config)  # (every rank refuses alike, before any waits for another)
     device = resolve_device(config.device)
     size = config.tensor_parallel_size
     return RankGroup(rank, size, device, wiring.dist_init, config.startup_timeout)

@@ -1,0 +1,138 @@
+"""Tensor parallelism on the CPU: two executor ranks over gloo give one rank's greedy
+tokens (several architectures, with preemption, prefix caching, async depth 1); models
+two ranks cannot split are refused before loading; a rank that dies ends the engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import mpengine
+from mpengine.models.resolve import resolve_model
+from mpengine.protocol import SamplingParams
+from tests.e2e.conftest import leftovers
+from tests.e2e.test_executor import build_model
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+# Twelve prompts, two of them sharing a 40-token prefix (prefix caching), long enough
+# together that 24 blocks of 16 cannot hold them all (preemption).
+PROMPTS = [[7 + i, 300 + 5 * i, 42, 9 + i] * (3 + i % 4) for i in range(10)]
+PROMPTS += [[11, 12, 13, 14] * 10 + [100], [11, 12, 13, 14] * 10 + [200]]
+
+
+def run(engine: mpengine.Engine, params: list[SamplingParams]) -> list[list[list[int]]]:
+    with engine.client() as client:
+        outs = client.generate_many(PROMPTS, params, timeout=120)
+        return [[list(c.token_ids) for c in out.outputs] for out in outs]
+
+
+def params() -> list[SamplingParams]:
+    """Greedy mostly, two seeded samples of n=2 (drawn by rank 0, the others follow)."""
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=3, n=2, ignore_eos=True)
+    return [seeded if i in (2, 5) else GREEDY for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-llama"])
+def test_two_ranks_give_one_ranks_tokens(start_engine, model: str) -> None:
+    options = dict(model=model, num_gpu_blocks_override=24, max_num_seqs=8, num_threads=1)
+    one = start_engine(**options)
+    expected = run(one, params())
+    one.shutdown()
+    two = start_engine(tensor_parallel_size=2, **options)
+    assert sorted(two.pids) == ["executor", "executor tp1", "output", "scheduler"]
+    for stage, pid in two.pids.items():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert f.read().split(b"\0")[0].decode() == f"mpengine: {stage}"
+    assert run(two, params()) == expected
+    with two.client() as client:
+        stats = client.stats()
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0, stats
+    assert two.model is not None and two.model.num_blocks == 24
+
+
+_FAMILIES = {"mistral": {}, "phi3": {}, "gemma": {"num_key_value_heads": 2}}
+
+
+@pytest.mark.parametrize("model_type", sorted(_FAMILIES))
+def test_other_families_split_alike(start_engine, tmp_path, model_type: str) -> None:
+    """Random models of other families with a plan (phi3: one fused qkv projection)."""
+    path = build_model(tmp_path, model_type, vocab_size=2048, **_FAMILIES[model_type])
+    options = dict(model=path, tokenizer=resolve_model("tiny-llama"), num_threads=1)
+    outputs = []
+    for tp in (1, 2):
+        engine = start_engine(tensor_parallel_size=tp, **options)
+        with engine.client() as client:
+            outs = client.generate_many(PROMPTS[:6], GREEDY, timeout=120)
+        outputs.append([list(out.outputs[0].token_ids) for out in outs])
+        engine.shutdown()
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize(
+    ("model", "size", "reason"),
+    [
+        (
+            "tiny",
+            3,
+            "tensor_parallel_size 3 must divide the model's query heads (4) and KV heads (2)",
+        ),
+        ("tiny-gpt2", 2, "gpt2 models have no tensor-parallel plan in transformers"),
+        ("tiny-bert", 2, "bert is an embedding model"),
+    ],
+)
+def test_models_that_cannot_be_split_are_refused_in_one_line(
+    start_engine, model: str, size: int, reason: str
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(mpengine.EngineStartError) as info:
+        start_engine(model=model, tensor_parallel_size=size, num_threads=1)
+    message = str(info.value)
+    assert reason in message and "\n" not in message, message
+    assert time.monotonic() - started < 60
+
+
+def test_other_runtimes_refuse_ranks() -> None:
+    with pytest.raises(ValueError, match="needs the processes runtime"):
+        mpengine.EngineConfig(runtime="serial", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("stage", ["executor tp1", "executor"])
+def test_a_killed_rank_fails_every_stream_and_leaves_nothing(start_engine, stage: str) -> None:
+    engine = start_engine(model="tiny", tensor_parallel_size=2, num_threads=1)
+    errors: dict[int, BaseException] = {}
+    started = threading.Barrier(4, timeout=60)
+
+    def stream(i: int, client: mpengine.Client) -> None:
+        tokens = client.stream([5 + i] * 8, SamplingParams(max_tokens=3000, ignore_eos=True))
+        try:
+            next(tokens)
+            started.wait()
+            for _ in tokens:
+                pass
+        except BaseException as exc:
+            errors[i] = exc
+
+    clients = [engine.client() for _ in range(3)]
+    threads = [threading.Thread(target=stream, args=(i, c)) for i, c in enumerate(clients)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    os.kill(engine.pids[stage], signal.SIGKILL)
+    killed_at = time.monotonic()
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive(), "a stream hung after a rank died"
+    elapsed = time.monotonic() - killed_at
+    assert sorted(errors) == [0, 1, 2]
+    assert all(isinstance(e, mpengine.EngineDeadError) for e in errors.values()), errors
+    assert elapsed < 2.0, f"the streams ended {elapsed:.2f} s after the rank died"
+    assert engine.stopped.wait(10), "the supervisor did not stop the engine"
+    assert "died" in (engine.dead or "")
+    for client in clients:
+        client.close()
+    assert not leftovers(engine.config.engine_id)
+    assert not os.path.exists(engine.runtime_dir)
