@@ -23,7 +23,10 @@ cache and start-up time, the versions and the commit; ``"complete"`` once done).
 named ``RUNTIME@N`` (``processes-depth1@1``) runs with
 N torch threads, so thread counts can be compared in one run; ``RUNTIME:BACKEND``
 (``serial:torch``) with that attention backend, ``RUNTIME+compile`` with compiled decode
-steps (``compile_decode``). ``--busy-neighbours N`` runs the timed rounds beside N
+steps (``compile_decode``), ``RUNTIME+tpN`` with N tensor-parallel ranks
+(``--tensor-parallel-size N`` adds that twin of every processes row; the breakdown's
+``coll`` is the executor's time in collectives, and the rows' resident memory per rank is
+printed and recorded). ``--busy-neighbours N`` runs the timed rounds beside N
 processes spinning on a core each, as on a shared machine. ``--json-schema`` constrains
 every engine request by a JSON schema (an object of one string: a grammar mask at every
 token; an output may end sooner, and tokens/s counts what was generated).
@@ -31,6 +34,8 @@ token; an output may end sooner, and tokens/s counts what was generated).
     python tools/bench_engine.py --models tiny small --json bench_engine.json
     python tools/bench_engine.py --runtimes serial@2 processes-depth1@1 processes-depth1@2
     python tools/bench_engine.py --shape qwen3-0.6b --device cuda --num-requests 256
+    python tools/bench_engine.py --models small --runtimes processes-depth1 \\
+        --tensor-parallel-size 2
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ BREAKDOWN_COLUMNS = [
     ("fwd", "executor.forward_ms", ".2f"),
     ("grammar", "executor.grammar_ms", ".3f"),
     ("sample", "executor.sample_ms", ".2f"),
+    ("coll", "executor.collective_ms", ".2f"),
     ("copy", "executor.copy_ms", ".3f"),
     ("output", "output.busy_ms", ".2f"),
     ("s:lock", "scheduler.wait_lockstep_ms", ".2f"),
@@ -139,13 +145,16 @@ def workload(model: str, args: argparse.Namespace, label: str) -> Workload:
 def row_spec(name: str) -> tuple[str, int | None, dict[str, object]]:
     """``"processes-depth1:torch+compile@2"`` -> ``("processes-depth1", 2, {engine config})``;
     no ``@``: no thread count; no ``:``: the engine's default attention backend; ``+compile``:
-    compiled decode steps."""
+    compiled decode steps; ``+tpN``: N tensor-parallel ranks (threads are per rank)."""
     base, _, threads = name.partition("@")
+    base, _, ranks = base.partition("+tp")
     base, compiled, _ = base.partition("+compile")
     base, _, backend = base.partition(":")
     engine: dict[str, object] = {"attention_backend": backend} if backend else {}
     if compiled:
         engine["compile_decode"] = True
+    if ranks:
+        engine["tensor_parallel_size"] = int(ranks)
     return base, int(threads) if threads else None, engine
 
 
@@ -153,6 +162,7 @@ def row_name(text: str) -> str:
     """argparse type of a row: a known runtime, optionally ``:BACKEND``, ``+compile`` and
     ``@THREADS``."""
     base, _, threads = text.partition("@")
+    base, tp, ranks = base.partition("+tp")
     base, compiled, rest = base.partition("+compile")
     base, _, backend = base.partition(":")
     if (
@@ -161,10 +171,12 @@ def row_name(text: str) -> str:
         or (threads and not (threads.isdigit() and int(threads) > 0))
         or ((backend or compiled) and base == HF_ROW)
         or (backend and backend not in BACKENDS)
+        or (tp and not (ranks.isdigit() and int(ranks) > 0 and base.startswith("processes")))
     ):
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected one of {', '.join(ROWS)}, optionally followed by :BACKEND "
-            f"(engines: {', '.join(BACKENDS)}), +compile (engines) and @THREADS"
+            f"(engines: {', '.join(BACKENDS)}), +compile (engines), +tpN (processes) and "
+            "@THREADS"
         )
     return text
 
@@ -188,6 +200,8 @@ class EngineRow:
 
     def warm_up(self, work: Workload) -> None:
         self.run(work)
+        # each stage's resident memory, loaded and warm (each rank's: its share of weights)
+        self.record["rss_mib"] = {stage: rss_mib(pid) for stage, pid in self.engine.pids.items()}
 
     def run(self, work: Workload, lengths: list[int] | None = None) -> int:
         structured = StructuredOutputs(json=STRING_SCHEMA) if self.args.json_schema else None
@@ -212,6 +226,16 @@ class EngineRow:
     def close(self) -> None:
         self.client.close()
         self.engine.shutdown()
+
+
+def rss_mib(pid: int) -> float:
+    """A process's resident set, MiB (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            line = next(line for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0.0
+    return int(line.split()[1]) / 1024
 
 
 class HFRow:
@@ -476,6 +500,14 @@ def print_tables(rows: list[dict]) -> None:
         for _, key, fmt in BREAKDOWN_COLUMNS:
             line += f"{figures[key]:>9{fmt}}" if key in figures else f"{'-':>9}"
         print(line)
+    ranked = [r for r in rows if "rss_mib" in r["engine"]]
+    if any("executor tp1" in r["engine"]["rss_mib"] for r in ranked):
+        print("\nresident memory of each executor rank once warm, MiB (a rank holds its share of")
+        print("the weights and the KV cache it touched, beside torch's own ~300 MiB)")
+        for r in ranked:
+            ranks = {s: m for s, m in r["engine"]["rss_mib"].items() if s.startswith("executor")}
+            cells = "".join(f"{s:>16}{m:>8.0f}" for s, m in ranks.items())
+            print(f"{r['model']:18}{r['runtime']:24}{cells}")
 
 
 def main() -> None:
@@ -554,8 +586,27 @@ def main() -> None:
         help="N other processes, each spinning on a core, during the timed rounds (a shared "
         "machine's load)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="beside each processes row, the same row with N tensor-parallel ranks (+tpN)",
+    )
     parser.add_argument("--json", default="bench_engine.json")
     args = parser.parse_args()
+    if args.tensor_parallel_size:
+        twins = [
+            n.replace("@", f"+tp{args.tensor_parallel_size}@")
+            if "@" in n
+            else f"{n}+tp{args.tensor_parallel_size}"
+            for n in args.runtimes
+        ]
+        args.runtimes = [
+            row
+            for name, twin in zip(args.runtimes, twins, strict=True)
+            for row in ([name, twin] if name.startswith("processes") else [name])
+        ]
     stop_on_sigterm()
     args.engine = {"device": args.device, "log_level": "WARNING"}
     if args.num_threads:

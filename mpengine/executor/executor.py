@@ -538,10 +538,15 @@ class Executor:
         in its collectives: they cannot go on without it)."""
         if self.ranks is None:
             return self._forward(inputs, pools)
+        before = self.ranks.collective_s
         try:
-            return self._forward(inputs, pools)
+            out = self._forward(inputs, pools)
         except Exception as exc:
             raise LostRank(f"rank {self.ranks.rank}: the forward failed: {exc!r}") from exc
+        # its collectives, charged as one phase after it
+        spent = self.ranks.collective_s - before
+        self.marks.append(("collective", time.perf_counter() - spent))
+        return out
 
     def _forward(
         self, inputs: StepInputs, pools: bool
@@ -611,6 +616,7 @@ class Executor:
             ids = np.full(len(sampling), -1, np.int64)
             if pending is not None:
                 ids[ok] = result.token_ids.numpy()
+            self.marks.append(("collective", time.perf_counter()))
             self.ranks.share_ids(ids, len(sampling))
 
     def _follow_samples(
@@ -623,6 +629,7 @@ class Executor:
         """A rank other than 0: rank 0's draws for the rows ``sampling`` become the slots'
         last tokens, as its own did there; a row it failed to sample fails here too."""
         assert self.ranks is not None
+        self.marks.append(("collective", time.perf_counter()))
         ids = self.ranks.share_ids(None, len(sampling))
         self.marks.append(("copy", time.perf_counter()))
         ok = ids >= 0

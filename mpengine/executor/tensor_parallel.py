@@ -31,6 +31,8 @@ import datetime
 import logging
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -99,8 +101,23 @@ class RankGroup:
         )
         # Small host-side agreements go over gloo on either device.
         self.control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
-        self.collective_s = 0.0  # time in this engine's own collectives (the breakdown)
+        # Time in collectives (the step breakdown): the engine's own, and the model's
+        # all-reduces (transformers calls ``dist.all_reduce`` after each row split; on the
+        # CPU it returns when done, on CUDA when launched).
+        self.collective_s = 0.0
+        dist.all_reduce = self._timed(dist.all_reduce)
+        self._broadcast = self._timed(dist.broadcast)
         logger.info("rank %d of %d joined (%s)", rank, size, backend)
+
+    def _timed(self, collective: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return collective(*args, **kwargs)
+            finally:
+                self.collective_s += time.perf_counter() - started
+
+        return timed
 
     @property
     def driver(self) -> bool:
@@ -115,17 +132,24 @@ class RankGroup:
 
     def share_ids(self, ids: np.ndarray | None, count: int) -> np.ndarray:
         """Rank 0's sampled ids (``ids``, int64, ``count`` of them) on every rank."""
-        started = time.perf_counter()
         if ids is None:
             tensor = torch.empty(count, dtype=torch.int64, device=self.device)
         else:
             tensor = torch.from_numpy(np.ascontiguousarray(ids, np.int64)).to(self.device)
         try:
-            dist.broadcast(tensor, src=0)
+            self._broadcast(tensor, src=0)
         except Exception as exc:
             raise LostRank(f"rank {self.rank}: sharing the sampled ids failed: {exc}") from exc
-        self.collective_s += time.perf_counter() - started
         return tensor.cpu().numpy()
+
+    def gather(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` on rank 0, in rank order (the others get ``[]``)."""
+        gathered: list[object] | None = [None] * self.size if self.driver else None
+        try:
+            dist.gather_object(data, gathered, dst=0, group=self.control)
+        except Exception as exc:
+            raise LostRank(f"rank {self.rank}: a gather failed: {exc}") from exc
+        return [item for item in gathered or () if isinstance(item, bytes)]
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -44,7 +44,7 @@ from mpengine.protocol import (
 )
 from mpengine.runtime.edges import REPLY_HWM, Edge
 from mpengine.runtime.front import FrontDoor, OutputDoor
-from mpengine.runtime.ranks import join_ranks
+from mpengine.runtime.ranks import RankTimes, join_ranks
 from mpengine.runtime.stage import Control, StopFlag
 from mpengine.runtime.timing import EXECUTOR, OUTPUT, SCHEDULER, Clock, Trace
 from shm import Lockstep, Ring
@@ -276,6 +276,7 @@ def executor_loop(
 ) -> None:
     """``fan_out``: where each plan frame goes on to the other tensor-parallel ranks."""
     plans, results, done = links.plans, links.results, links.done
+    rank_times = RankTimes(executor.ranks) if executor.ranks is not None else None
     last_step = 0
     while not stop:
         # 1. the next plan (the counter is only read, for the breakdown: until every step
@@ -300,8 +301,10 @@ def executor_loop(
         # 2. forward + sample (the executor marks its own phases)
         result = executor.execute(plan)
         clock.marks(EXECUTOR, executor.marks)
-        # 3. hand the result on, with this stage's totals
+        # 3. hand the result on, with this stage's totals (and the other ranks')
         result.times = clock.snapshot()
+        if rank_times is not None:
+            result.times |= rank_times.exchange(plan.step, clock)
         frame = results.encode(result)
         clock.work(EXECUTOR, "encode")
         results.put(frame)

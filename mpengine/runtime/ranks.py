@@ -19,9 +19,12 @@ import logging
 import re
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from mpengine.config import EngineConfig
-from mpengine.protocol import StepPlan, Wiring, plan_decoder
+from mpengine.protocol import StageTimes, StepPlan, Wiring, encoder, plan_decoder
 from mpengine.runtime.stage import Control, StopFlag
+from mpengine.runtime.timing import Clock
 from shm.broadcast import Broadcast, PeerGone
 
 if TYPE_CHECKING:
@@ -31,6 +34,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
+# How often (in steps) the other ranks' step breakdowns reach rank 0, which sends them on
+# with its own (``mpengine stats``, ``top``, the metrics show every rank).
+TIMES_EVERY = 64
 _RANK_STAGE = re.compile(r"executor tp([1-9][0-9]*)")
 
 
@@ -70,20 +76,49 @@ def run_rank(
     executor = create_executor(config, ranks)
     with Broadcast.reader(wiring.rank_ring, rank - 1) as plans:
         control.ready()
-        rank_loop(executor, plans, stop, wiring.executor_generation)
+        rank_loop(executor, plans, stop, wiring.executor_generation, f"executor tp{rank}")
 
 
-def rank_loop(executor: Executor, plans: Broadcast, stop: StopFlag, generation: int) -> None:
+def rank_loop(
+    executor: Executor, plans: Broadcast, stop: StopFlag, generation: int, stage: str
+) -> None:
+    """Run rank 0's plans as they come (those of this executor's generation)."""
+    assert executor.ranks is not None
     decoder = plan_decoder()
+    clock = Clock([stage])
+    times = RankTimes(executor.ranks)
     while not stop:
         try:
             frame = plans.get(POLL_S)
         except TimeoutError:
+            clock.idle()
             continue
         except PeerGone:
             if stop:  # (rank 0 stopped first)
                 return
             raise
+        clock.wait(stage, "plan_ring")
         plan: StepPlan = decoder.decode(frame)
-        if plan.generation == generation:
-            executor.execute(plan)
+        if plan.generation != generation:
+            continue
+        clock.begin_step(stage, plan.step)
+        clock.work(stage, "decode")
+        executor.execute(plan)
+        clock.marks(stage, executor.marks)
+        clock.end_step(stage)
+        times.exchange(plan.step, clock)
+
+
+class RankTimes:
+    """Every ``TIMES_EVERY`` steps each rank sends rank 0 its totals (one gather)."""
+
+    def __init__(self, ranks: RankGroup) -> None:
+        self.ranks = ranks
+        self.latest: dict[str, StageTimes] = {}  # on rank 0: the others', as last gathered
+
+    def exchange(self, step: int, clock: Clock) -> dict[str, StageTimes]:
+        if step % TIMES_EVERY == 0:
+            own = encoder.encode(clock.snapshot()) if not self.ranks.driver else b""
+            for part in self.ranks.gather(own)[1:]:
+                self.latest.update(msgspec.msgpack.decode(part, type=dict[str, StageTimes]))
+        return self.latest

@@ -15,6 +15,7 @@ import mpengine
 from mpengine.models.resolve import resolve_model
 from mpengine.protocol import SamplingParams
 from tests.e2e.conftest import leftovers
+from tests.e2e.test_diagnose import cli
 from tests.e2e.test_executor import build_model
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -136,3 +137,23 @@ def test_a_killed_rank_fails_every_stream_and_leaves_nothing(start_engine, stage
         client.close()
     assert not leftovers(engine.config.engine_id)
     assert not os.path.exists(engine.runtime_dir)
+
+
+def test_every_rank_is_diagnosed(start_engine, tmp_path) -> None:
+    """``stacks`` dumps every rank; the breakdown (``stats``, ``top``) shows every rank
+    and their time in collectives."""
+    engine = start_engine(
+        model="tiny", tensor_parallel_size=2, num_threads=1, address=f"ipc://{tmp_path}/e"
+    )
+    with engine.client() as client:
+        client.generate([5, 6, 7], SamplingParams(max_tokens=80, ignore_eos=True), timeout=60)
+        stages = client.stats().stages
+    assert {"executor", "executor tp1"} <= set(stages), stages
+    for rank in ("executor", "executor tp1"):
+        assert stages[rank].phases["collective"] > 0 and stages[rank].steps >= 64
+    out = cli("stacks", engine.address, "--faulthandler").stdout
+    for stage in ("executor", "executor tp1"):
+        header = f"=== {stage} (pid {engine.pids[stage]}) ==="
+        assert "in run_stage" in out.split(header, 1)[1].split("===", 1)[0], out
+    top = cli("top", engine.address, "--once", "--interval", "0.2").stdout
+    assert any(line.startswith("executor tp1") for line in top.splitlines()), top
