@@ -106,6 +106,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: Annotated[int, Meta(ge=1, le=4096)] | None = None
     tensor_parallel_size: Annotated[int, Meta(ge=1, le=MAX_TP)] = 1
+    # Ranks on several hosts (vLLM's flags): node 0 runs the engine, the others
+    # ``mpengine serve --headless``; every node gives the same master address and port.
+    nnodes: Annotated[int, Meta(ge=1, le=MAX_TP)] = 1
+    node_rank: Annotated[int, Meta(ge=0, lt=MAX_TP)] = 0
+    master_addr: str = "127.0.0.1"
+    master_port: Annotated[int, Meta(ge=0, le=65534)] = 0
     enforce_eager: bool = False
     attention_backend: Literal["auto", "torch", "native", "triton"] = "auto"
     compile_decode: bool = False
@@ -146,6 +152,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 f"tensor_parallel_size {self.tensor_parallel_size} needs the processes "
                 f"runtime (an executor process per rank), not {self.runtime!r}"
             )
+        if self.tensor_parallel_size % self.nnodes or self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"nnodes {self.nnodes} must divide tensor_parallel_size "
+                f"{self.tensor_parallel_size}, and node_rank {self.node_rank} be below it"
+            )
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("nnodes above 1 needs master_port (the same on every node)")
         # A request is announced to the output processor in one ring frame.
         if self.ring_bytes < self.max_request_bytes + ANNOUNCE_SLACK:
             raise ValueError(
@@ -178,7 +191,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             return self.num_threads
         cores = available_cpus()
         overlapped = self.runtime in ("processes", "threads") and cores > 2
-        return max(1, (cores - 1 if overlapped else cores) // self.tensor_parallel_size)
+        return max(1, (cores - 1 if overlapped else cores) // self.ranks_per_node)
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks on each host."""
+        return self.tensor_parallel_size // self.nnodes
 
     @property
     def num_slots(self) -> int:
@@ -230,6 +248,13 @@ HELP = {
     "tensor_parallel_size": "executor processes that split the model by its tensor-parallel "
     "plan (torch.distributed: NCCL, one GPU each, or gloo on the CPU, the cores split between "
     "them); decoders whose transformers config has a plan (llama, qwen, mistral...)",
+    "nnodes": "hosts the tensor-parallel ranks are spread over, as many on each (node 0 runs "
+    "the engine, the others 'mpengine serve --headless')",
+    "node_rank": "this host's place among the nnodes (0: the engine's)",
+    "master_addr": "node 0's address, where the ranks' process group meets and rank 0 "
+    "publishes the plans to the other nodes (on master_port + 1)",
+    "master_port": "the ranks' process group port on master_addr (default: a free one, for "
+    "one node; with nnodes above 1, give it on every node)",
     "enforce_eager": "never replay CUDA graphs: run every step eagerly (CUDA only; decode "
     "steps are captured as graphs at start-up otherwise)",
     "attention_backend": "paged attention kernels: auto (triton on CUDA; on the CPU native, "

@@ -44,7 +44,7 @@ from typing import TypeVar
 
 import msgspec
 
-from mpengine.addresses import free_port, split_tcp
+from mpengine.addresses import split_tcp
 from mpengine.client.async_client import AsyncClient
 from mpengine.client.sync_client import Client
 from mpengine.config import EngineConfig, MiB, available_cpus
@@ -64,7 +64,7 @@ from mpengine.runtime.engine_file import (
     read_engine_file,
     write_engine_file,
 )
-from mpengine.runtime.ranks import rank_stages
+from mpengine.runtime.ranks import dist_init, rank_stages
 from mpengine.runtime.restarts import RESTARTABLE, RESTARTABLE_WITH_RANKS, Restarts, exit_cause
 from mpengine.runtime.stage import (
     ABORT_SIGNAL,
@@ -264,6 +264,11 @@ class Engine:
         self._segments: list = []
         self._ipc_dir: str | None = None  # the directory of the ipc sockets ...
         self._lock_fd: int | None = None  # ... and its engine.lock, while this engine holds it
+        if config.node_rank > 0:
+            raise EngineStartError(
+                f"node_rank {config.node_rank}: this host runs only its ranks, with "
+                "'mpengine serve --headless'; the engine runs on node 0"
+            )
         _check_model(config)
         raise_open_files_limit()
         if config.runtime == "processes" and available_cpus() < 2:
@@ -366,7 +371,7 @@ class Engine:
     def _create_segments(self) -> Wiring:
         engine_id, size = self.config.engine_id, self.config.ring_bytes
         rings = {}
-        num_rings = RINGS + (self.config.tensor_parallel_size > 1)
+        num_rings = RINGS + (self.config.ranks_per_node > 1)
         need, free = num_rings * size, shm_free_bytes()
         if need > free:
             raise EngineStartError(
@@ -397,16 +402,16 @@ class Engine:
             announce_ring=rings["announce"].name,
             lockstep=done.name,
             rank_ring=ranks.name if ranks is not None else "",
-            dist_init=f"tcp://127.0.0.1:{free_port()}" if ranks is not None else "",
+            dist_init=dist_init(self.config) if self.config.tensor_parallel_size > 1 else "",
         )
 
     def _create_rank_ring(self) -> Broadcast | None:
-        """The ring rank 0 broadcasts each plan on to the other tensor-parallel ranks."""
+        """The ring rank 0 broadcasts each plan on to this host's other ranks."""
         config = self.config
-        if config.tensor_parallel_size == 1:
+        if config.ranks_per_node == 1:
             return None
         ring = Broadcast.create(
-            config.engine_id, "ranks", config.ring_bytes, config.tensor_parallel_size - 1
+            config.engine_id, "ranks", config.ring_bytes, config.ranks_per_node - 1
         )
         self._segments.append(ring)
         return ring

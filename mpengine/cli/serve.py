@@ -27,6 +27,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_model_arg(serve, "vLLM's `vllm serve MODEL`")
     add_engine_args(serve)
     add_serve_args(serve)
+    serve.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this host's tensor-parallel ranks of an engine whose node 0 runs "
+        "elsewhere (with --nnodes, --node-rank above 0, --master-addr, --master-port and "
+        "the engine's flags, as on node 0); no HTTP API",
+    )
     vllm_flags.add_args(serve)
     serve.set_defaults(func=cmd_serve)
     stats = sub.add_parser(
@@ -43,6 +50,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mpengine.server.run import serve
 
     take_model_tag(args)
+    if args.headless:
+        from mpengine.runtime.headless import run_headless
+        from mpengine.runtime.stage import configure_logging
+
+        config = config_from_args(args)
+        configure_logging(config.log_level, "headless")
+        return run_headless(config)
     vllm_flags.check(args)
     check_serve_args(args)
     return serve(args, config_from_args(args))

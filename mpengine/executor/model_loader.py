@@ -150,7 +150,8 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     alone (each rank, before it joins the others: ``tensor_parallel.check_plan``)."""
     hf_config = AutoConfig.from_pretrained(resolve_model(config.model))
     device = resolve_device(config.device)
-    check_plan(hf_config, _model_kind(hf_config), config.tensor_parallel_size, device)
+    size, per_host = config.tensor_parallel_size, config.ranks_per_node
+    check_plan(hf_config, _model_kind(hf_config), size, device, per_host)
 
 
 def _from_pretrained(

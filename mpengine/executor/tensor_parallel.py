@@ -47,9 +47,16 @@ class LostRank(RuntimeError):
     agree, so the executor stops and the engine with it."""
 
 
-def check_plan(hf_config: PretrainedConfig, kind: str, size: int, device: torch.device) -> None:
-    """Refuse, before anything loads, a model that ``size`` ranks cannot split: one line
-    naming the reason."""
+def check_plan(
+    hf_config: PretrainedConfig,
+    kind: str,
+    size: int,
+    device: torch.device,
+    per_host: int | None = None,
+) -> None:
+    """Refuse, before anything loads, a model that ``size`` ranks (``per_host`` of them on
+    this host, default all) cannot split: one line naming the reason."""
+    per_host = per_host or size
     text_config = hf_config.get_text_config()
     model_type = getattr(text_config, "model_type", type(text_config).__name__)
     if kind != "causal":
@@ -70,10 +77,10 @@ def check_plan(hf_config: PretrainedConfig, kind: str, size: int, device: torch.
             f"tensor_parallel_size {size} must divide the model's query heads ({heads}) and "
             f"KV heads ({kv_heads})"
         )
-    if device.type == "cuda" and size > torch.cuda.device_count():
+    if device.type == "cuda" and per_host > torch.cuda.device_count():
         raise ValueError(
-            f"tensor_parallel_size {size} needs a GPU per rank; torch sees "
-            f"{torch.cuda.device_count()}"
+            f"tensor_parallel_size {size} needs a GPU per rank ({per_host} on this host); "
+            f"torch sees {torch.cuda.device_count()}"
         )
 
 
@@ -81,17 +88,23 @@ class RankGroup:
     """This process's place among the ranks, and the engine's collectives between them."""
 
     def __init__(
-        self, rank: int, size: int, device: torch.device, init_method: str, timeout_s: float
+        self,
+        rank: int,
+        size: int,
+        local_rank: int,
+        device: torch.device,
+        init_method: str,
+        timeout_s: float,
     ) -> None:
         self.rank, self.size = rank, size
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(rank)
-            self.device = torch.device("cuda", rank)
+        if device.type == "cuda":  # a GPU per rank of the host
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
         else:
             self.device = device
         # What transformers reads to find its rank (it joins the group created here).
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank))
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank))
         dist.init_process_group(
             backend,
             init_method=init_method,

@@ -44,11 +44,10 @@ from mpengine.protocol import (
 )
 from mpengine.runtime.edges import REPLY_HWM, Edge
 from mpengine.runtime.front import FrontDoor, OutputDoor
-from mpengine.runtime.ranks import RankTimes, join_ranks
+from mpengine.runtime.ranks import RankTimes, join_ranks, plan_fan_out
 from mpengine.runtime.stage import Control, StopFlag
 from mpengine.runtime.timing import EXECUTOR, OUTPUT, SCHEDULER, Clock, Trace
 from shm import Lockstep, Ring
-from shm.broadcast import Broadcast
 
 if TYPE_CHECKING:
     from mpengine.executor import Executor
@@ -416,9 +415,7 @@ def run_executor(config: EngineConfig, wiring: Wiring, control: Control, stop: S
         results=Link.ring(wiring.result_ring),
     )
     with contextlib.ExitStack() as stack:
-        fan_out = None
-        if wiring.rank_ring:
-            fan_out = stack.enter_context(Broadcast.writer(wiring.rank_ring)).put
+        fan_out = stack.enter_context(plan_fan_out(config, wiring))
         clock = stack.enter_context(_stage(config, EXECUTOR, links))
         control.ready(executor.info)
         executor_loop(executor, links, clock, stop, wiring.executor_generation, fan_out)

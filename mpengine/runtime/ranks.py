@@ -11,21 +11,30 @@ counter and the other stages are as with one executor.
 The launcher starts every rank at once (they create the process group together), makes
 the broadcast ring and the group's address, and supervises each rank as a stage: a rank
 that dies ends the engine (its peers cannot go on without it).
+
+Across hosts (``nnodes``): node 0 runs the engine with its share of the ranks, every other
+node ``mpengine serve --headless`` (``headless.py``) with its own; the process group meets
+at ``master_addr:master_port``, and the other nodes' ranks take the plans from rank 0 over
+ZMQ (``remote_plans.py``) instead of the ring.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from mpengine.addresses import free_port
 from mpengine.config import EngineConfig
 from mpengine.protocol import StageTimes, StepPlan, Wiring, encoder, plan_decoder
+from mpengine.runtime.remote_plans import PlanPublisher, PlanSubscriber, plan_address
 from mpengine.runtime.stage import Control, StopFlag
 from mpengine.runtime.timing import Clock
-from shm.broadcast import Broadcast, PeerGone
+from shm.broadcast import Broadcast, Frame, PeerGone
 
 if TYPE_CHECKING:
     from mpengine.executor import Executor
@@ -40,9 +49,23 @@ TIMES_EVERY = 64
 _RANK_STAGE = re.compile(r"executor tp([1-9][0-9]*)")
 
 
+def node_ranks(config: EngineConfig) -> range:
+    """The ranks on this host."""
+    first = config.node_rank * config.ranks_per_node
+    return range(first, first + config.ranks_per_node)
+
+
 def rank_stages(config: EngineConfig) -> tuple[str, ...]:
-    """The stage names of the ranks but rank 0 (the executor)."""
-    return tuple(f"executor tp{rank}" for rank in range(1, config.tensor_parallel_size))
+    """The stage names of this host's ranks but rank 0 (the executor stage)."""
+    return tuple(f"executor tp{rank}" for rank in node_ranks(config) if rank > 0)
+
+
+def dist_init(config: EngineConfig) -> str:
+    """Where the ranks' process group meets: ``master_addr:master_port``, or on one host a
+    free loopback port when no port is given."""
+    if config.nnodes > 1 or config.master_port:
+        return f"tcp://{config.master_addr}:{config.master_port}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def rank_of(stage: str) -> int | None:
@@ -60,8 +83,33 @@ def join_ranks(config: EngineConfig, wiring: Wiring, rank: int) -> RankGroup | N
 
     check_tensor_parallel(config)  # (every rank refuses alike, before any waits for another)
     device = resolve_device(config.device)
-    size = config.tensor_parallel_size
-    return RankGroup(rank, size, device, wiring.dist_init, config.startup_timeout)
+    size, local_rank = config.tensor_parallel_size, rank % config.ranks_per_node
+    return RankGroup(rank, size, local_rank, device, wiring.dist_init, config.startup_timeout)
+
+
+@contextlib.contextmanager
+def plan_fan_out(config: EngineConfig, wiring: Wiring) -> Iterator[Callable[[Frame], None] | None]:
+    """Rank 0's way to hand each plan frame on: to this host's other ranks (the rank ring)
+    and to the other hosts' (``remote_plans``); None with one rank."""
+    with contextlib.ExitStack() as stack:
+        targets: list[Callable[[Frame], None]] = []
+        if wiring.rank_ring:
+            targets.append(stack.enter_context(Broadcast.writer(wiring.rank_ring)).put)
+        if config.nnodes > 1:
+            remote = config.tensor_parallel_size - config.ranks_per_node
+            address = plan_address(config.master_addr, config.master_port)
+            publisher = PlanPublisher(address, remote, config.auth_token, config.startup_timeout)
+            stack.callback(publisher.close)
+            targets.append(publisher.put)
+        if len(targets) < 2:
+            yield targets[0] if targets else None
+            return
+
+        def both(frame: Frame) -> None:
+            for target in targets:
+                target(frame)
+
+        yield both
 
 
 def run_rank(
@@ -71,16 +119,26 @@ def run_rank(
     plan rank 0 broadcasts."""
     from mpengine.executor import create_executor
 
-    ranks = join_ranks(config, wiring, rank)
-    assert ranks is not None and rank > 0
-    executor = create_executor(config, ranks)
-    with Broadcast.reader(wiring.rank_ring, rank - 1) as plans:
+    with contextlib.ExitStack() as stack:
+        plans: Broadcast | PlanSubscriber
+        if config.node_rank > 0:  # subscribed before joining: ready when rank 0 looks
+            address = plan_address(config.master_addr, config.master_port)
+            plans = stack.enter_context(PlanSubscriber(address, config.auth_token))
+        ranks = join_ranks(config, wiring, rank)
+        assert ranks is not None and rank > 0
+        executor = create_executor(config, ranks)
+        if config.node_rank == 0:
+            plans = stack.enter_context(Broadcast.reader(wiring.rank_ring, rank - 1))
         control.ready()
         rank_loop(executor, plans, stop, wiring.executor_generation, f"executor tp{rank}")
 
 
 def rank_loop(
-    executor: Executor, plans: Broadcast, stop: StopFlag, generation: int, stage: str
+    executor: Executor,
+    plans: Broadcast | PlanSubscriber,
+    stop: StopFlag,
+    generation: int,
+    stage: str,
 ) -> None:
     """Run rank 0's plans as they come (those of this executor's generation)."""
     assert executor.ranks is not None
@@ -93,10 +151,10 @@ def rank_loop(
         except TimeoutError:
             clock.idle()
             continue
-        except PeerGone:
-            if stop:  # (rank 0 stopped first)
-                return
-            raise
+        except PeerGone as exc:  # (rank 0 stopped first, or died: the engine is over)
+            if not stop:
+                logger.error("%s: this rank stops", exc)
+            return
         clock.wait(stage, "plan_ring")
         plan: StepPlan = decoder.decode(frame)
         if plan.generation != generation:

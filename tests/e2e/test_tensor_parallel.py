@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,6 +20,7 @@ import mpengine
 from mpengine.executor.tensor_parallel import check_plan
 from mpengine.models.resolve import resolve_model
 from mpengine.protocol import SamplingParams
+from mpengine.testing.engine import free_port_pair
 from tests.e2e.conftest import leftovers
 from tests.e2e.test_diagnose import cli
 from tests.e2e.test_executor import build_model, hf_greedy
@@ -165,3 +168,54 @@ def test_every_rank_is_diagnosed(start_engine, tmp_path) -> None:
         assert "in run_stage" in out.split(header, 1)[1].split("===", 1)[0], out
     top = cli("top", engine.address, "--once", "--interval", "0.2").stdout
     assert any(line.startswith("executor tp1") for line in top.splitlines()), top
+
+
+def test_ranks_on_two_nodes(start_engine, tmp_path) -> None:
+    """Two "hosts" on loopback: node 1 runs its rank headless (``mpengine serve
+    --headless``) and takes the plans over ZMQ with the engine's auth token; it ends once
+    the engine does."""
+    port = free_port_pair()  # the process group's, and the plans' (port + 1)
+    token_file = tmp_path / "token"
+    token_file.write_text("a-test-token-of-enough-length\n")
+    token_file.chmod(0o600)
+    node = ["--headless", "--node-rank", "1", "--auth-token-file", str(token_file)]
+    nodes = ["-tp", "2", "--nnodes", "2", "--master-port", str(port), "--num-threads", "1"]
+    log = open(tmp_path / "node1.log", "w")  # noqa: SIM115  (closed below)
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "mpengine.cli", "serve", "tiny", *node, *nodes],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        engine = start_engine(
+            model="tiny",
+            tensor_parallel_size=2,
+            nnodes=2,
+            master_port=port,
+            num_threads=1,
+            auth_token=token_file.read_text().strip(),
+        )
+        assert sorted(engine.pids) == ["executor", "output", "scheduler"]
+        with engine.client() as client:
+            outs = client.generate_many(PROMPTS[:4], GREEDY, timeout=120)
+        hf = AutoModelForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32)
+        for prompt, out in zip(PROMPTS[:4], outs, strict=True):
+            assert list(out.outputs[0].token_ids) == hf_greedy(hf, np.array(prompt), 40)[0]
+        engine.shutdown()
+        assert node1.wait(30) == 1, (tmp_path / "node1.log").read_text()
+        assert "went away" in (tmp_path / "node1.log").read_text()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait(10)
+        log.close()
+
+
+def test_a_headless_node_needs_its_place() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "mpengine.cli", "serve", "tiny", "--headless"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "--node-rank (above 0)" in done.stderr
