@@ -176,59 +176,75 @@ def test_a_crash_during_a_restart_is_restarted_too(start_engine, stage) -> None:
         assert engine.restarts.total == {stage: 2}
 
 
-@pytest.mark.parametrize(
-    ("stage", "kind", "lost"),
-    [
-        ("output", "plain", False),
-        ("output", "best_of", False),  # replayed, held back again, with the scores fed back
-        ("output", "best_of_logprobs", True),  # the logprobs it held back: never fed back
-        ("output", "beams", False),  # a beam search starts over
-        ("executor", "best_of", False),  # (kept by the output processor)
-        ("executor", "beams", False),  # starts over too (a lost step's continuations)
-    ],
-)
-def test_what_cannot_be_rebuilt_fails_to_be_retried(start_engine, stage, kind, lost) -> None:
+# What each kind of request becomes when a stage restarts under it: carried on (with the
+# undisturbed result), or failed with an error saying to retry it.
+REBUILT = {
+    "output": {
+        "plain": True,
+        "best_of": True,  # replayed, held back again, with the scores fed back
+        "best_of_logprobs": False,  # the logprobs it held back: never fed back
+        "beams": True,  # a beam search starts over
+    },
+    "executor": {"best_of": True, "beams": True},  # (starts over too: a lost step's beams)
+}
+KINDS = {
+    "best_of": SamplingParams(max_tokens=200, ignore_eos=True, n=1, best_of=2, seed=1),
+    "best_of_logprobs": SamplingParams(max_tokens=200, ignore_eos=True, n=1, best_of=2,
+                                       seed=1, logprobs=2),
+    "beams": SamplingParams(max_tokens=200, ignore_eos=True, n=1, beam_width=2,
+                            use_beam_search=True),
+    "plain": SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", sorted(REBUILT))
+def test_what_cannot_be_rebuilt_fails_to_be_retried(start_engine, stage) -> None:
     """A request whose state a restarted stage cannot rebuild ends with an error saying to
-    retry it; the others carry on."""
+    retry it; the others carry on, with their undisturbed results."""
     engine = start_engine(model="tiny", log_level="WARNING")
+    kinds = REBUILT[stage]
     with engine.client() as client:
-        kinds = {
-            "best_of": SamplingParams(max_tokens=200, ignore_eos=True, n=1, best_of=2, seed=1),
-            "best_of_logprobs": SamplingParams(max_tokens=200, ignore_eos=True, n=1, best_of=2,
-                                               seed=1, logprobs=2),
-            "beams": SamplingParams(max_tokens=200, ignore_eos=True, n=1, beam_width=2,
-                                    use_beam_search=True),
-            "plain": SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0),
-        }  # fmt: skip
+        want = {
+            kind: client.generate([9, 9, 9], KINDS[kind], timeout=TIMEOUT_S)
+            for kind, rebuilt in kinds.items()
+            if rebuilt
+        }
         long = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
-        want = client.generate([9, 9, 9], kinds[kind], timeout=TIMEOUT_S) if not lost else None
         streams = Streams(client, dict.fromkeys(range(len(PROMPTS)), long))
         streams.wait_for(lambda: streams.least() >= 5, "5 tokens each")
-        result: dict[str, object] = {}
+        results: dict[str, dict[str, object]] = {kind: {} for kind in kinds}
 
-        def run() -> None:
+        def run(kind: str) -> None:
             try:
-                result["out"] = client.generate([9, 9, 9], kinds[kind], timeout=TIMEOUT_S)
+                results[kind]["out"] = client.generate([9, 9, 9], KINDS[kind], timeout=TIMEOUT_S)
             except BaseException as exc:
-                result["error"] = exc
+                results[kind]["error"] = exc
 
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        streams.wait_for(lambda: client.stats().num_running > len(PROMPTS), "admitted")
+        threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in kinds]
+        for thread in threads:
+            thread.start()
+
+        def admitted() -> bool:
+            stats = client.stats()
+            return stats.num_waiting == 0 and stats.num_running >= len(PROMPTS) + len(kinds)
+
+        streams.wait_for(admitted, "admitted")
         wait_restarted(engine, kill_output(engine, stage), stage)
-        thread.join(TIMEOUT_S)
+        for thread in threads:
+            thread.join(TIMEOUT_S)
         streams.join()
         assert not streams.errors
-        out, error = result.get("out"), result.get("error")
-        if lost:
+    for kind, rebuilt in kinds.items():
+        out, error = results[kind].get("out"), results[kind].get("error")
+        if not rebuilt:
             message = str(error) if error is not None else out.outputs[0].error  # type: ignore[union-attr]
-            assert "retry it" in (message or ""), result
-        else:
-            assert error is None and len(out.token_ids) == 200, result  # type: ignore[union-attr]
-            assert out.token_ids == want.token_ids and out.text == want.text  # type: ignore[union-attr]
-            score, wanted = out.outputs[0].cumulative_logprob, want.outputs[0].cumulative_logprob  # type: ignore[union-attr]
-            assert (score is None) == (wanted is None)
-            assert wanted is None or score == pytest.approx(wanted, rel=1e-4, abs=1e-3)
+            assert "retry it" in (message or ""), (kind, results[kind])
+            continue
+        assert error is None and len(out.token_ids) == 200, (kind, results[kind])  # type: ignore[union-attr]
+        assert out.token_ids == want[kind].token_ids and out.text == want[kind].text, kind  # type: ignore[union-attr]
+        score, wanted = out.outputs[0].cumulative_logprob, want[kind].outputs[0].cumulative_logprob  # type: ignore[union-attr]
+        assert (score is None) == (wanted is None), kind
+        assert wanted is None or score == pytest.approx(wanted, rel=1e-4, abs=1e-3), kind
 
 
 def test_http_streams_go_on_across_a_restart(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU: two executor ranks over gloo give one rank's greedy
 tokens (several architectures, with preemption, prefix caching, async depth 1); models
-two ranks cannot split are refused before loading; a rank that dies ends the engine."""
+two ranks cannot split are refused before loading; a rank that dies ends the engine;
+ranks on two "hosts"."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -44,25 +46,37 @@ def params() -> list[SamplingParams]:
     return [seeded if i in (2, 5) else GREEDY for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-llama"])
-def test_two_ranks_give_one_ranks_tokens(start_engine, model: str) -> None:
-    options = dict(model=model, num_gpu_blocks_override=24, max_num_seqs=8, num_threads=1)
+def test_two_ranks_give_one_ranks_tokens(start_engine, tmp_path) -> None:
+    """Greedy and seeded tokens of one rank, under preemption and prefix caching; every
+    rank is a titled stage that ``stacks``, ``stats`` and ``top`` show, with its time in
+    collectives."""
+    options = dict(model="tiny", num_gpu_blocks_override=24, max_num_seqs=8, num_threads=1)
     one = start_engine(**options)
     expected = run(one, params())
     one.shutdown()
-    two = start_engine(tensor_parallel_size=2, **options)
+    two = start_engine(tensor_parallel_size=2, address=f"ipc://{tmp_path}/e", **options)
     assert sorted(two.pids) == ["executor", "executor tp1", "output", "scheduler"]
     for stage, pid in two.pids.items():
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             assert f.read().split(b"\0")[0].decode() == f"mpengine: {stage}"
     assert run(two, params()) == expected
     with two.client() as client:
+        client.generate([5, 6, 7], SamplingParams(max_tokens=70, ignore_eos=True), timeout=60)
         stats = client.stats()
     assert stats.preemptions > 0 and stats.prefix_cache_hits > 0, stats
     assert two.model is not None and two.model.num_blocks == 24
+    for rank in ("executor", "executor tp1"):  # (the other ranks' reach rank 0 every 64 steps)
+        times = stats.stages[rank]
+        assert times.phases["collective"] > 0 and times.steps >= 64, stats.stages
+    out = cli("stacks", two.address, "--faulthandler").stdout
+    for stage in ("executor", "executor tp1"):
+        header = f"=== {stage} (pid {two.pids[stage]}) ==="
+        assert "in run_stage" in out.split(header, 1)[1].split("===", 1)[0], out
+    top = cli("top", two.address, "--once", "--interval", "0.2").stdout
+    assert any(line.startswith("executor tp1") for line in top.splitlines()), top
 
 
-_FAMILIES = {"mistral": {}, "phi3": {}, "gemma": {"num_key_value_heads": 2}}
+_FAMILIES = {"llama": {"num_key_value_heads": 2}, "phi3": {}, "gemma": {"num_key_value_heads": 2}}
 
 
 @pytest.mark.parametrize("model_type", sorted(_FAMILIES))
@@ -107,9 +121,19 @@ def test_a_model_that_cannot_be_split_is_refused_in_one_line(start_engine) -> No
     assert reason in message and "\n" not in message, message
 
 
-def test_other_runtimes_refuse_ranks() -> None:
+def test_configs_that_cannot_place_ranks_are_refused() -> None:
     with pytest.raises(ValueError, match="needs the processes runtime"):
         mpengine.EngineConfig(runtime="serial", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="nnodes 2 must divide tensor_parallel_size 3"):
+        mpengine.EngineConfig(tensor_parallel_size=3, nnodes=2, master_port=29500)
+    with pytest.raises(ValueError, match="node_rank 2 be below it"):
+        mpengine.EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=29500)
+    with pytest.raises(ValueError, match="needs master_port"):
+        mpengine.EngineConfig(tensor_parallel_size=2, nnodes=2)
+    config = mpengine.EngineConfig(tensor_parallel_size=4, nnodes=2, master_port=29500)
+    assert config.ranks_per_node == 2
+    with pytest.raises(mpengine.EngineStartError, match="mpengine serve --headless"):
+        mpengine.Engine(msgspec.structs.replace(config, node_rank=1))
 
 
 def test_a_killed_rank_fails_every_stream_and_leaves_nothing(start_engine) -> None:
@@ -148,26 +172,6 @@ def test_a_killed_rank_fails_every_stream_and_leaves_nothing(start_engine) -> No
         client.close()
     assert not leftovers(engine.config.engine_id)
     assert not os.path.exists(engine.runtime_dir)
-
-
-def test_every_rank_is_diagnosed(start_engine, tmp_path) -> None:
-    """``stacks`` dumps every rank; the breakdown (``stats``, ``top``) shows every rank
-    and their time in collectives."""
-    engine = start_engine(
-        model="tiny", tensor_parallel_size=2, num_threads=1, address=f"ipc://{tmp_path}/e"
-    )
-    with engine.client() as client:
-        client.generate([5, 6, 7], SamplingParams(max_tokens=80, ignore_eos=True), timeout=60)
-        stages = client.stats().stages
-    assert {"executor", "executor tp1"} <= set(stages), stages
-    for rank in ("executor", "executor tp1"):
-        assert stages[rank].phases["collective"] > 0 and stages[rank].steps >= 64
-    out = cli("stacks", engine.address, "--faulthandler").stdout
-    for stage in ("executor", "executor tp1"):
-        header = f"=== {stage} (pid {engine.pids[stage]}) ==="
-        assert "in run_stage" in out.split(header, 1)[1].split("===", 1)[0], out
-    top = cli("top", engine.address, "--once", "--interval", "0.2").stdout
-    assert any(line.startswith("executor tp1") for line in top.splitlines()), top
 
 
 def test_ranks_on_two_nodes(start_engine, tmp_path) -> None:
