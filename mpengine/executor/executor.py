@@ -157,6 +157,7 @@ class Executor:
             mask_threads,
         )
         self._masks: Masks | None = None  # the step's grammar masks (structured outputs)
+        self._forwarded = False  # the step's forward began (with ranks: past agreement)
         # The last hidden state of the step being run, kept by a hook on the base model
         # while a step pools (a causal LM's forward returns only logits).
         self._hidden: torch.Tensor | None = None
@@ -285,6 +286,7 @@ class Executor:
         for params in plan.new_requests:
             self.requests[params.key] = params
         failures: dict[int, str] = {}  # seq id -> why it failed
+        self._forwarded = False
         try:
             if len(plan.swap_out) or len(plan.swap_in):
                 self._swap(plan)
@@ -295,6 +297,8 @@ class Executor:
         except Exception as exc:
             if device_lost(exc) or isinstance(exc, LostRank):
                 raise  # the stage exits: its supervisor fails the requests, a service restarts
+            if self.ranks is not None and self._forwarded:  # the ranks may no longer agree
+                raise LostRank(f"rank {self.ranks.rank}: step {plan.step} failed: {exc!r}") from exc
             logger.exception("step %d failed", plan.step)
             message = f"{type(exc).__name__}: {exc}"
             for seq_id in plan.seq_ids.numpy().tolist():
@@ -536,6 +540,7 @@ class Executor:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``_forward``; with ranks, a forward that raises ends this rank (the others wait
         in its collectives: they cannot go on without it)."""
+        self._forwarded = True
         if self.ranks is None:
             return self._forward(inputs, pools)
         before = self.ranks.collective_s
