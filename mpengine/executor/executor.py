@@ -643,7 +643,8 @@ class Executor:
         for row in np.flatnonzero(~ok):
             failures[int(rows.seq_ids[sampling[row]])] = "its sampling failed on rank 0"
         if ok.all():
-            self.batch.record_sampled(sample_slots, torch.from_numpy(ids).to(self.device))
+            token_ids = torch.from_numpy(ids.astype(np.int32))  # (the slots' dtype)
+            self.batch.record_sampled(sample_slots, token_ids.to(self.device))
         else:
             self.batch.sync_rows(slots[ok])
 
