@@ -163,7 +163,3 @@ class RankGroup:
         except Exception as exc:
             raise LostRank(f"rank {self.rank}: a gather failed: {exc}") from exc
         return [item for item in gathered or () if isinstance(item, bytes)]
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
