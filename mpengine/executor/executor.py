@@ -789,12 +789,12 @@ class Executor:
 def _mask_placement(config: EngineConfig, device: torch.device) -> tuple[bool, int]:
     """Whether grammar masks are filled in a worker thread beside the forward, and by how
     many of llguidance's threads: beside it on a GPU (the host waits on the device), or on
-    a CPU with cores left beside the torch threads and the two other stages (those cores);
-    else before it, with the torch threads' cores (idle then)."""
+    a CPU with cores left beside the torch threads (of every rank of the host) and the two
+    other stages (those cores); else before it, with the torch threads' cores (idle then)."""
     cpus = available_cpus()
     if device.type == "cuda":
         return True, max(1, min(8, cpus - 3))
-    spare = cpus - config.max_threads - 2
+    spare = cpus - config.max_threads * config.ranks_per_node - 2
     return (True, spare) if spare > 0 else (False, config.max_threads)
 
 

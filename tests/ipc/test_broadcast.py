@@ -154,9 +154,10 @@ def test_a_dead_reader_is_found_by_its_pid(
         try:
             proc = start(children, "attach", ring.name, 1, mode)
             assert proc.stdout is not None and proc.stdout.readline().strip() == "attached"
-            if mode == "killed":
+            if mode == "killed":  # not reaped: a zombie counts as dead
                 proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=STEP_TIMEOUT_S)  # (or not reaped: a zombie counts as dead too)
+            else:
+                proc.wait(timeout=STEP_TIMEOUT_S)
             for _ in range(4):  # the ring fills: reader 1 never reads
                 ring.put(b"y" * 1000, timeout=0)
                 live.get(timeout=0)
