@@ -7,8 +7,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from mpengine.limits import FrameLimits
+from mpengine.prefix_hash import BlockHash
 from mpengine.protocol import Feedback, SamplingParams
-from mpengine.scheduler.block_manager import BlockHash, BlockManager
+from mpengine.scheduler.block_manager import BlockManager
 from mpengine.scheduler.request import Sequence, Status, urgency
 from mpengine.scheduler.step import BlockDelta, StepBudget
 

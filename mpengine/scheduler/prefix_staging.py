@@ -16,7 +16,8 @@ executor fails its readers too (``provisional``).
 
 from __future__ import annotations
 
-from mpengine.scheduler.block_manager import BlockHash, BlockManager, chain_hashes
+from mpengine.prefix_hash import BlockHash, chain_hashes
+from mpengine.scheduler.block_manager import BlockManager
 from mpengine.scheduler.request import Sequence
 
 

@@ -14,9 +14,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mpengine.config import EngineConfig
+from mpengine.prefix_hash import chain_hashes
 from mpengine.protocol import AddRequest, Array, Feedback, SamplingParams
 from mpengine.scheduler import Scheduler
-from mpengine.scheduler.block_manager import BlockManager, chain_hashes
+from mpengine.scheduler.block_manager import BlockManager
 from mpengine.testing.fake import FakeExecutor, FakeOutput, drive, reference_generate
 from tests.unit.test_scheduler import EOS, VOCAB, run
 
