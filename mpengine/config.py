@@ -24,6 +24,7 @@ MiB = 1 << 20
 WEEK_S = 7 * 24 * 3600.0
 ANNOUNCE_SLACK = 64 * 1024  # a NewRequest's bytes beyond its AddRequest's
 MAX_TP = 64  # tensor-parallel ranks (readers of one broadcast ring)
+MAX_DP = 64  # data-parallel replicas
 
 
 def cgroups() -> list[tuple[list[str], str]]:
@@ -112,6 +113,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     node_rank: Annotated[int, Meta(ge=0, lt=MAX_TP)] = 0
     master_addr: str = "127.0.0.1"
     master_port: Annotated[int, Meta(ge=0, le=65534)] = 0
+    # Replicas of the whole engine behind one front (``data_parallel.py``); a replica's own
+    # config names which one it is.
+    data_parallel_size: Annotated[int, Meta(ge=1, le=MAX_DP)] = 1
+    data_parallel_rank: Annotated[int, Meta(ge=0, lt=MAX_DP)] = 0
+    data_parallel_routing: Literal["least_outstanding", "prefix_affinity"] = "least_outstanding"
+    distributed_executor_backend: Literal["mp", "ray"] = "mp"
+    cuda_visible_devices: Annotated[str, Meta(pattern=r"^[0-9A-Za-z,:_-]*$")] | None = None
     enforce_eager: bool = False
     attention_backend: Literal["auto", "torch", "native", "triton"] = "auto"
     compile_decode: bool = False
@@ -157,6 +165,17 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 f"nnodes {self.nnodes} must divide tensor_parallel_size "
                 f"{self.tensor_parallel_size}, and node_rank {self.node_rank} be below it"
             )
+        if self.data_parallel_rank >= self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank {self.data_parallel_rank} must be below "
+                f"data_parallel_size {self.data_parallel_size}"
+            )
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise ValueError(
+                "data_parallel_size above 1 with nnodes above 1: place replicas on other hosts "
+                "with --distributed-executor-backend ray, or serve them there (mpengine serve "
+                "--headless) and front them with --engine-address"
+            )
         if self.nnodes > 1 and not self.master_port:
             raise ValueError("nnodes above 1 needs master_port (the same on every node)")
         # A request is announced to the output processor in one ring frame.
@@ -185,13 +204,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         compute (all-MiniLM-L6-v2 embedding 1.6x, the small model generating 1.2-1.45x
         faster with both; tools/bench_embed.py, bench_engine.py). Without ``num_threads``,
         a CPU executor runs each size of step with one thread or these, whichever it times
-        faster (``executor/threads.py``). Tensor-parallel ranks split the cores: each
-        takes its share (``num_threads`` is per rank)."""
+        faster (``executor/threads.py``). Tensor-parallel ranks and data-parallel replicas
+        split the cores: each takes its share (``num_threads`` is per rank)."""
         if self.num_threads is not None:
             return self.num_threads
         cores = available_cpus()
         overlapped = self.runtime in ("processes", "threads") and cores > 2
-        return max(1, (cores - 1 if overlapped else cores) // self.ranks_per_node)
+        sharers = self.ranks_per_node * self.data_parallel_size
+        return max(1, (cores - 1 if overlapped else cores) // sharers)
 
     @property
     def ranks_per_node(self) -> int:
@@ -255,6 +275,18 @@ HELP = {
     "publishes the plans to the other nodes (on master_port + 1)",
     "master_port": "the ranks' process group port on master_addr (default: a free one, for "
     "one node; with nnodes above 1, give it on every node)",
+    "data_parallel_size": "replicas of the whole engine (its own stages, KV cache and devices "
+    "each: a GPU each when there are enough, else shares of one; on the CPU the cores split) "
+    "behind one front that routes each request to one of them",
+    "data_parallel_rank": "which replica this engine is (set for each replica by the launcher)",
+    "data_parallel_routing": "how requests are spread over the replicas: least_outstanding "
+    "(fewest in flight) or prefix_affinity (where the prompt's first blocks ran, while the "
+    "load stays even; client/routing.py)",
+    "distributed_executor_backend": "where replicas run: mp (processes of this host) or ray "
+    "(a Ray actor each, on whichever node of the Ray cluster has the resources; "
+    "pip install 'mpengine[ray]'; RAY_ADDRESS names the cluster, else a local one starts)",
+    "cuda_visible_devices": "the GPUs this engine's processes see (CUDA_VISIBLE_DEVICES; "
+    "data-parallel replicas get a slice each when there are enough)",
     "enforce_eager": "never replay CUDA graphs: run every step eagerly (CUDA only; decode "
     "steps are captured as graphs at start-up otherwise)",
     "attention_backend": "paged attention kernels: auto (triton on CUDA; on the CPU native, "

@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -240,11 +240,61 @@ def _check_model(config: EngineConfig) -> None:
         raise EngineStartError(str(exc)) from None
 
 
-class Engine:
-    """A running engine; a context manager that stops it on exit."""
+class Launcher:
+    """What every launcher gives its caller: clients of its engine, told at once when a
+    stage dies (``_make_client``), unless the engine is gone."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    config: EngineConfig
+    dead: str | None
+    _stopping: threading.Event
+
+    def client(
+        self, *, timeout: float = 30.0, client_id: str | None = None, auth_token: str | None = None
+    ) -> Client:
+        """A ``Client`` of this engine (with its auth token unless given another); told at
+        once if a stage dies."""
+        return self._connect(Client, timeout, client_id, auth_token)
+
+    def async_client(
+        self, *, timeout: float = 30.0, client_id: str | None = None, auth_token: str | None = None
+    ) -> AsyncClient:
+        """An ``AsyncClient`` of this engine, as ``client``."""
+        return self._connect(AsyncClient, timeout, client_id, auth_token)
+
+    def _connect(
+        self, kind: type[C], timeout: float, client_id: str | None, auth_token: str | None
+    ) -> C:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead}")
+        if self._stopping.is_set():
+            raise EngineDeadError("the engine was shut down")
+        token = auth_token if auth_token is not None else self.config.auth_token
+        return self._make_client(kind, timeout, client_id, token)
+
+    def _make_client(
+        self, kind: type[C], timeout: float, client_id: str | None, token: str | None
+    ) -> C:
+        raise NotImplementedError
+
+
+class Engine(Launcher):
+    """A running engine; a context manager that stops it on exit. With
+    ``data_parallel_size`` above 1, ``Engine(config)`` starts every replica
+    (``data_parallel.DataParallelEngine``); the set starts each as an ``Engine`` of its own
+    (``replica=True``)."""
+
+    def __new__(cls, config: EngineConfig, *, replica: bool = False) -> Any:
+        if config.data_parallel_size > 1 and not replica:
+            from mpengine.data_parallel import DataParallelEngine
+
+            return DataParallelEngine(config)
+        return super().__new__(cls)
+
+    def __init__(self, config: EngineConfig, *, replica: bool = False) -> None:
         self.config = config = config.resolve()
+        # Which replica of a data-parallel set it is (None: the engine alone): its clients
+        # are told of its stages' deaths as that replica's.
+        self.replica = config.data_parallel_rank if config.data_parallel_size > 1 else None
         self._pid = os.getpid()  # a forked child's copy must not stop its parent's engine
         self.model: ModelInfo | None = None
         self.dead: str | None = None
@@ -491,6 +541,7 @@ class Engine:
         while self.restarts.allow(stage) and not self._stopping.is_set():
             count = self.restarts.record(stage)
             self.recovering = stage
+            self._tell_clients(stage)
             logger.error("%s: restarting it (restart %d)", reason, count)
             try:
                 self._respawn(stage, reason)
@@ -499,6 +550,7 @@ class Engine:
                 continue
             finally:
                 self.recovering = None
+                self._tell_clients(None)
             logger.info("%s stage restarted (pid %d)", stage, self.processes[stage].pid)
             return True
         if stage in RESTARTABLE and not self._stopping.is_set():
@@ -515,7 +567,7 @@ class Engine:
         what it had computed (``EXECUTOR_SIGNAL``)."""
         if stage == "scheduler":
             for client in list(self._clients):
-                client.scheduler_lost(reason)
+                client.scheduler_lost(reason, self.replica)
             self._restart_all()
             return
         old = self.processes[stage]
@@ -597,11 +649,17 @@ class Engine:
                     return msg.message
         return None
 
+    def _tell_clients(self, recovering: str | None) -> None:
+        """Tell this engine's clients which stage restarts now (None: none): a client of
+        several replicas sends new requests to the others meanwhile."""
+        for client in list(self._clients):
+            client.replica_recovering(recovering, self.replica)
+
     def _end_clients(self, reason: str) -> None:
         """Fail what this engine's clients wait for, with ``reason``, before they see its
         sockets close (which says only that it stopped or died)."""
         for client in list(self._clients):
-            client.engine_died(reason)
+            client.engine_died(reason, self.replica)
 
     def on_death(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` (from the supervisor thread) if a stage dies."""
@@ -619,32 +677,17 @@ class Engine:
         """Each stage's process id, by stage name."""
         return {name: p.pid for name, p in self.processes.items() if p.pid is not None}
 
-    def client(
-        self, *, timeout: float = 30.0, client_id: str | None = None, auth_token: str | None = None
-    ) -> Client:
-        """A ``Client`` of this engine (with its auth token unless given another); told at
-        once if a stage dies."""
-        return self._connect(Client, timeout, client_id, auth_token)
-
-    def async_client(
-        self, *, timeout: float = 30.0, client_id: str | None = None, auth_token: str | None = None
-    ) -> AsyncClient:
-        """An ``AsyncClient`` of this engine, as ``client``."""
-        return self._connect(AsyncClient, timeout, client_id, auth_token)
-
-    def _connect(
-        self, kind: type[C], timeout: float, client_id: str | None, auth_token: str | None
+    def _make_client(
+        self, kind: type[C], timeout: float, client_id: str | None, token: str | None
     ) -> C:
-        """A client told at once if a stage dies (held weakly: clients come and go)."""
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead}")
-        if self._stopping.is_set():
-            raise EngineDeadError("the engine was shut down")
-        token = auth_token if auth_token is not None else self.config.auth_token
         client = kind(self.address, timeout=timeout, client_id=client_id, auth_token=token)
+        self.supervise(client)
+        return client
+
+    def supervise(self, client: Client | AsyncClient) -> None:
+        """Tell ``client`` (of this process) at once when a stage dies (held weakly)."""
         client.mark_supervised()
         self._clients.add(client)
-        return client
 
     def shutdown(self, drain: bool = False, drain_timeout: float = DRAIN_TIMEOUT_S) -> None:
         """Stop the engine; with ``drain``, first let admitted requests finish for up to

@@ -16,9 +16,11 @@ once, by one process:
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
@@ -61,32 +63,55 @@ def token_buckets(max_model_len: int) -> list[float]:
 
 
 class ServerMetrics:
-    """Every metric the front end exposes, in a registry of its own."""
+    """Every metric the front end exposes, in a registry of its own. Every ``mpengine:``
+    series carries the ``engine`` label, the data-parallel replica it is about (``"0"``
+    for an engine alone), as vLLM labels its engines; ``series(engine)`` is one
+    replica's request-level metrics."""
 
     def __init__(
-        self, model_name: str, max_model_len: int, cache_config: dict[str, object] | None = None
+        self,
+        model_name: str,
+        max_model_len: int,
+        cache_config: dict[str, object] | None = None,
+        num_engines: int = 1,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
 
-        m = model_name
-
         def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
-            return Histogram(
-                PREFIX + name, doc, labels, buckets=buckets, registry=self.registry
-            ).labels(m)
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 
         def seconds(name: str, doc: str) -> Histogram:
             return histogram(name, doc, REQUEST_BUCKETS)
 
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of answered requests.").labels(
-            m
-        )
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(m)
+        tokens = token_buckets(max_model_len)
+        self._families: dict[str, Counter | Histogram] = {
+            "prompt_tokens": counter("prompt_tokens", "Prompt tokens of answered requests."),
+            "generation_tokens": counter("generation_tokens", "Generated tokens."),
+            "ttft": histogram(
+                "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+            ),
+            "itl": histogram(
+                "inter_token_latency_seconds", "Between a sample's successive outputs.", ITL_BUCKETS
+            ),
+            "e2e": seconds("e2e_request_latency_seconds", "Arrival to last token."),
+            "queue": seconds("request_queue_time_seconds", "Arrival to first scheduled."),
+            "prefill": seconds("request_prefill_time_seconds", "First scheduled to first token."),
+            "decode": seconds("request_decode_time_seconds", "First token to last token."),
+            "inference": seconds(
+                "request_inference_time_seconds", "First scheduled to last token."
+            ),
+            "request_prompt_tokens": histogram(
+                "request_prompt_tokens", "Prompt tokens per request.", tokens
+            ),
+            "request_generation_tokens": histogram(
+                "request_generation_tokens", "Generated tokens per request (all samples).", tokens
+            ),
+        }
         self.request_success = counter(
             "request_success", "Finished samples, by finish reason.", ("finished_reason",)
         )
@@ -96,25 +121,10 @@ class ServerMetrics:
             ["handler", "method", "status"],
             registry=self.registry,
         )
-        self.ttft = histogram(
-            "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
-        )
-        self.itl = histogram(
-            "inter_token_latency_seconds", "Between a sample's successive outputs.", ITL_BUCKETS
-        )
-        self.e2e = seconds("e2e_request_latency_seconds", "Arrival to last token.")
-        self.queue = seconds("request_queue_time_seconds", "Arrival to first scheduled.")
-        self.prefill = seconds("request_prefill_time_seconds", "First scheduled to first token.")
-        self.decode = seconds("request_decode_time_seconds", "First token to last token.")
-        self.inference = seconds("request_inference_time_seconds", "First scheduled to last token.")
-        tokens = token_buckets(max_model_len)
-        self.request_prompt_tokens = histogram(
-            "request_prompt_tokens", "Prompt tokens per request.", tokens
-        )
-        self.request_generation_tokens = histogram(
-            "request_generation_tokens", "Generated tokens per request (all samples).", tokens
-        )
-        self.engine = EngineCollector(model_name)
+        self._series: dict[int, Series] = {}
+        for engine in range(num_engines):  # (each replica's series exist from the start)
+            self.series(engine)
+        self.engine = EngineCollector(model_name, num_engines)
         self.registry.register(self.engine)
         if cache_config:  # vLLM's info gauge: the KV cache's configuration as labels, value 1
             names = sorted(cache_config)
@@ -124,16 +134,51 @@ class ServerMetrics:
                 [*labels, *names],
                 registry=self.registry,
             )
-            info.labels(m, *(_label(cache_config[name]) for name in names)).set(1)
+            values = [_label(cache_config[name]) for name in names]
+            for engine in range(num_engines):
+                info.labels(model_name, str(engine), *values).set(1)
+
+    def series(self, engine: int) -> Series:
+        """Replica ``engine``'s request-level metrics."""
+        if (series := self._series.get(engine)) is None:
+            bound = {
+                name: family.labels(self.model_name, str(engine))
+                for name, family in self._families.items()
+            }
+            series = self._series[engine] = Series(self, str(engine), **bound)
+        return series
 
     def tracker(self, num_prompt_tokens: int, n: int, ranked: bool = False) -> RequestTracker:
         return RequestTracker(self, num_prompt_tokens, n, ranked, time.monotonic())
 
-    def success(self, reason: str) -> None:
-        self.request_success.labels(self.model_name, reason).inc()
+    def success(self, reason: str, engine: int = 0) -> None:
+        self.series(engine).success(reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass(slots=True)
+class Series:
+    """One replica's request-level metrics, bound to its labels."""
+
+    metrics: ServerMetrics
+    engine: str
+    prompt_tokens: Any
+    generation_tokens: Any
+    ttft: Any
+    itl: Any
+    e2e: Any
+    queue: Any
+    prefill: Any
+    decode: Any
+    inference: Any
+    request_prompt_tokens: Any
+    request_generation_tokens: Any
+
+    def success(self, reason: str) -> None:
+        m = self.metrics
+        m.request_success.labels(m.model_name, self.engine, reason).inc()
 
 
 def _label(value: object) -> str:
@@ -156,7 +201,8 @@ class RequestTracker:
     Times are the HTTP process's own, from ``started`` (its prompt tokenized), as vLLM's
     front end takes them: time to first token when the first token arrives (a stream the
     client dropped had none before), end-to-end latency and the request's token counts
-    when it ends, aborted too.
+    when it ends, aborted too. They count for the replica that ran the request (its
+    outputs say which; replica 0 for one that never answered).
     """
 
     def __init__(
@@ -168,6 +214,7 @@ class RequestTracker:
         started: float = 0.0,
     ) -> None:
         self.metrics = metrics
+        self.series: Series | None = None  # its replica's, once known
         self.num_prompt_tokens = num_prompt_tokens
         self.ranked = ranked
         self.started = started  # monotonic seconds
@@ -180,7 +227,9 @@ class RequestTracker:
 
     def on_output(self, delta: RequestOutput, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        m = self.metrics
+        if self.series is None:
+            self.series = self.metrics.series(delta.metrics.data_parallel_rank)
+        m = self.series
         if not self.answered:
             self.answered = True
             m.prompt_tokens.inc(self.num_prompt_tokens)
@@ -216,7 +265,7 @@ class RequestTracker:
         if self.ended:
             return
         self.ended = True
-        m = self.metrics
+        m = self.series or self.metrics.series(0)
         m.e2e.observe(max(0.0, now - self.started))
         m.request_prompt_tokens.observe(self.num_prompt_tokens)
         m.request_generation_tokens.observe(self.num_generated)
@@ -227,97 +276,134 @@ class RequestTracker:
         self.open_samples.clear()
 
     def on_abandoned(self, now: float | None = None) -> None:
+        series = self.series or self.metrics.series(0)
         for _ in self.open_samples:
-            self.metrics.success("abort")
+            series.success("abort")
         self.open_samples.clear()
         if self.answered:  # (its prompt tokens were counted: its histograms count it too)
             self._ended(time.monotonic() if now is None else now)
 
 
 class EngineCollector(Collector):
-    """The engine's own totals and levels, as of the latest ``EngineStats`` (``update``)."""
+    """The engine's own totals and levels, as of the latest ``EngineStats`` of each replica
+    (``update``), labelled by replica (``engine``)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
         self.model_name = model_name
-        self.stats: EngineStats | None = None
-        self.restarts: dict[str, int] = {}  # stages restarted by the launcher, and how often
+        self.num_engines = num_engines
+        self.stats: dict[int, EngineStats] = {}
+        # Stages restarted by each replica's launcher, and how often (the replica itself
+        # started again counts as its stage "replica").
+        self.restarts: dict[int, dict[str, int]] = {}
+        self.up: dict[int, bool] = {}  # whether each replica takes requests now
 
-    def update(self, stats: EngineStats) -> None:
-        self.stats = stats
+    def update(self, stats: EngineStats, engine: int = 0) -> None:
+        self.stats[engine] = stats
 
     def collect(self) -> Iterator[Metric]:
+        m = self.model_name
+        engines = [str(engine) for engine in range(self.num_engines)]
         restarts = CounterMetricFamily(
             PREFIX + "stage_restarts",
             "Stages restarted after they died, by stage.",
-            labels=["model_name", "stage"],
+            labels=["model_name", "engine", "stage"],
         )
-        for stage in ("scheduler", "executor", "output"):
-            restarts.add_metric([self.model_name, stage], self.restarts.get(stage, 0))
+        up = GaugeMetricFamily(
+            PREFIX + "engine_up",
+            "Whether the replica takes requests (0: its stage died, or it is out of reach).",
+            labels=["model_name", "engine"],
+        )
+        for engine, label in enumerate(engines):
+            counts = self.restarts.get(engine, {})
+            stages = ("scheduler", "executor", "output", *(s for s in counts if s.startswith("r")))
+            for stage in stages:
+                restarts.add_metric([m, label, stage], counts.get(stage, 0))
+            up.add_metric([m, label], float(self.up.get(engine, engine in self.stats)))
         yield restarts
-        stats = self.stats
-        if stats is None:
+        yield up
+        polled = sorted(self.stats.items())
+        if not polled:
             return
-        labels = [self.model_name]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric(labels, value)
-            return family
+        def family(
+            kind: type, name: str, doc: str, value: Callable[[EngineStats], float]
+        ) -> Metric:
+            metric = kind(PREFIX + name, doc, labels=["model_name", "engine"])
+            for engine, stats in polled:
+                metric.add_metric([m, str(engine)], value(stats))
+            return metric
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            family.add_metric(labels, value)
-            return family
+        def used(stats: EngineStats) -> float:
+            return 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0
 
-        yield gauge("num_requests_running", "Sequences in the running batch.", stats.num_running)
-        yield gauge(
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield family(
+            gauge,
+            "num_requests_running",
+            "Sequences in the running batch.",
+            lambda s: s.num_running,
+        )
+        yield family(
+            gauge,
             "num_requests_waiting",
             "Sequences waiting for admission or preempted.",
-            stats.num_waiting + stats.num_preempted,
+            lambda s: s.num_waiting + s.num_preempted,
         )
-        used = 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0
-        yield gauge("kv_cache_usage_perc", "KV cache usage (1 = full).", used)
-        yield counter("num_preemptions", "Preemptions since the engine started.", stats.preemptions)
-        yield counter(
+        yield family(gauge, "kv_cache_usage_perc", "KV cache usage (1 = full).", used)
+        yield family(
+            counter,
+            "num_preemptions",
+            "Preemptions since the engine started.",
+            lambda s: s.preemptions,
+        )
+        yield family(
+            counter,
             "num_fair_preemptions",
             "Preemptions of a tenant over its share for one waiting under it.",
-            stats.fair_preemptions,
+            lambda s: s.fair_preemptions,
         )
-        yield gauge("num_tenants_running", "Tenants with sequences running.", stats.num_tenants)
-        yield counter(
+        yield family(
+            gauge, "num_tenants_running", "Tenants with sequences running.", lambda s: s.num_tenants
+        )
+        yield family(
+            counter,
             "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            getattr(stats, "prefix_cache_queries", 0),
+            lambda s: s.prefix_cache_queries,
         )
-        yield counter(
+        yield family(
+            counter,
             "prefix_cache_hits",
             "Prompt tokens found in the prefix cache.",
-            getattr(stats, "prefix_cache_hits", 0),
+            lambda s: s.prefix_cache_hits,
         )
-        if stats.step_tokens:
-            counts, cumulative = [], 0
-            for bound, count in zip(
-                [*(str(float(b)) for b in STEP_TOKEN_BUCKETS), "+Inf"],
-                stats.step_tokens,
-                strict=True,
-            ):
-                cumulative += count
-                counts.append((bound, cumulative))
-            tokens = HistogramMetricFamily(
-                PREFIX + "iteration_tokens_total",
-                "Tokens computed per engine step.",
-                labels=["model_name"],
-            )
-            tokens.add_metric(labels, counts, float(stats.computed_tokens))
+        tokens = HistogramMetricFamily(
+            PREFIX + "iteration_tokens_total",
+            "Tokens computed per engine step.",
+            labels=["model_name", "engine"],
+        )
+        for engine, stats in polled:
+            if stats.step_tokens:
+                bounds = [*(str(float(b)) for b in STEP_TOKEN_BUCKETS), "+Inf"]
+                cumulative = list(itertools.accumulate(stats.step_tokens))
+                buckets = list(zip(bounds, cumulative, strict=True))
+                tokens.add_metric([m, str(engine)], buckets, float(stats.computed_tokens))
+        if tokens.samples:
             yield tokens
-        yield from self._stage_metrics(stats)
+        yield from self._stage_metrics(polled)
+        yield family(counter, "steps", "Steps output-processed.", lambda s: s.done)
+        yield family(
+            gauge,
+            "lockstep_lag_steps",
+            "Steps planned but not yet output-processed.",
+            lambda s: s.step - s.done,
+        )
 
-    def _stage_metrics(self, stats: EngineStats) -> Iterator[Metric]:
-        # -- stage metrics: from the step breakdown (EngineStats.stages) ------------------
-        # Each stage's running totals as of the latest step that reached the scheduler
-        # (``StageTimes``: ``busy`` seconds of work, ``wall`` busy + waiting on a peer).
-        # Adjust here if that breakdown changes shape.
-        labels = ["model_name", "stage"]
+    def _stage_metrics(self, polled: list[tuple[int, EngineStats]]) -> Iterator[Metric]:
+        # From the step breakdown (EngineStats.stages): each stage's running totals as of
+        # the latest step that reached the scheduler (``StageTimes``: ``busy`` seconds of
+        # work, ``wall`` busy + waiting on a peer). Adjust here if that breakdown changes.
+        labels = ["model_name", "engine", "stage"]
         busy = CounterMetricFamily(
             PREFIX + "stage_busy_seconds", "Seconds each stage spent working.", labels=labels
         )
@@ -326,20 +412,11 @@ class EngineCollector(Collector):
             "Seconds each stage spent waiting on a peer (ring, lockstep counter).",
             labels=labels,
         )
-        for stage, times in sorted(getattr(stats, "stages", {}).items()):
-            busy.add_metric([self.model_name, stage], times.busy)
-            wait.add_metric([self.model_name, stage], max(0.0, times.wall - times.busy))
+        for engine, stats in polled:
+            for stage, times in sorted(stats.stages.items()):
+                busy.add_metric([self.model_name, str(engine), stage], times.busy)
+                wait.add_metric(
+                    [self.model_name, str(engine), stage], max(0.0, times.wall - times.busy)
+                )
         yield busy
         yield wait
-        steps = CounterMetricFamily(
-            PREFIX + "steps", "Steps output-processed.", labels=["model_name"]
-        )
-        steps.add_metric([self.model_name], stats.done)
-        yield steps
-        lag = GaugeMetricFamily(
-            PREFIX + "lockstep_lag_steps",
-            "Steps planned but not yet output-processed.",
-            labels=["model_name"],
-        )
-        lag.add_metric([self.model_name], stats.step - stats.done)
-        yield lag

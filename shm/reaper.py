@@ -99,6 +99,9 @@ class Reaper:
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             env=env,
+            # Its own session: a SIGKILL to the owner's whole process group (``kill -9
+            # -PGID``, Ray ending an actor's worker) must leave it to clean up.
+            start_new_session=True,
         )
         return cls(popen)
 

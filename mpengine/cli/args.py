@@ -47,11 +47,19 @@ _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 
 _COUNT_UNITS["G"] = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 # vLLM's names of the same flags, so its users' command lines work.
-VLLM_ALIASES = {"prefix_caching": "--enable-prefix-caching", "tensor_parallel_size": "-tp"}
+VLLM_ALIASES = {
+    "prefix_caching": "--enable-prefix-caching",
+    "tensor_parallel_size": "-tp",
+    "data_parallel_size": "-dp",
+}
 
 
 def _dtype(text: str) -> str:
     return {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(text, text)
+
+
+def _backend(text: str) -> str:
+    return "mp" if text == "uni" else text
 
 
 def _swap_space(text: str) -> int:
@@ -118,6 +126,8 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
             kind = str.upper  # type: ignore[assignment]
         elif name == "dtype":  # vLLM's spellings too
             kind = _dtype  # type: ignore[assignment]
+        elif name == "distributed_executor_backend":  # (vLLM's "uni": one process's, here mp)
+            kind = _backend  # type: ignore[assignment]
         group.add_argument(
             *flags, dest=name, type=kind, choices=choices, default=NONE, help=help_text
         )
@@ -397,8 +407,9 @@ def add_running_engine_args(parser: argparse.ArgumentParser) -> None:
     """A running engine's address, and how to reach it (``stats``, ``top``)."""
     parser.add_argument(
         "address",
-        help="the engine's request address (ipc://... or tcp://...), or the URL of `mpengine "
-        "serve` on this host",
+        help="the engine's request address (ipc://... or tcp://...; a data-parallel engine's "
+        "replicas' separated by commas, as `mpengine serve` prints them), or the URL of "
+        "`mpengine serve` on this host",
     )
     parser.add_argument(
         "--timeout",
@@ -415,7 +426,8 @@ def running_engine(args: argparse.Namespace):
     from mpengine.client.sync_client import Client
 
     args.address = engine_address(args.address)
-    check_address(args.address)
+    for address in args.address.split(","):  # (a data-parallel engine's replicas)
+        check_address(address)
     token = auth_token_from_args(args)
     return Client(args.address, timeout=args.timeout, auth_token=token)
 

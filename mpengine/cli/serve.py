@@ -30,9 +30,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--headless",
         action="store_true",
-        help="run only this host's tensor-parallel ranks of an engine whose node 0 runs "
-        "elsewhere (with --nnodes, --node-rank above 0, --master-addr, --master-port and "
-        "the engine's flags, as on node 0); no HTTP API",
+        help="no HTTP API: the engine alone, for IPC clients and fronts elsewhere "
+        "(--engine-address); or, with --nnodes and --node-rank above 0 (--master-addr, "
+        "--master-port and the engine's flags as on node 0), only this host's "
+        "tensor-parallel ranks of an engine whose node 0 runs elsewhere",
+    )
+    serve.add_argument(
+        "--engine-address",
+        action="append",
+        default=[],
+        metavar="ADDRESS",
+        help="serve HTTP for an engine started elsewhere ('mpengine serve --headless "
+        "--address tcp://HOST:PORT'), with the --auth-token-file it takes; repeated: "
+        "data-parallel replicas this front routes requests between (one out of reach is "
+        "reported and tried again, not fatal)",
     )
     vllm_flags.add_args(serve)
     serve.set_defaults(func=cmd_serve)

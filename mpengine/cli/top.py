@@ -46,14 +46,24 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 @dataclass(slots=True)
 class Sample:
-    """One look at the engine: its stats, and when."""
+    """One look at the engine: its stats, and when; of a data-parallel engine, each
+    replica's too (None for one that did not answer)."""
 
     stats: object  # EngineStats
     at: float
+    replicas: list | None = None
 
 
 def take_sample(client) -> Sample:
-    return Sample(client.stats(), time.monotonic())
+    replicas = None
+    if client.data_parallel_size > 1:
+        replicas = []
+        for rank in range(client.data_parallel_size):
+            try:
+                replicas.append(client.stats(timeout=2.0, data_parallel_rank=rank))
+            except Exception:  # (out of reach, restarting: shown as such)
+                replicas.append(None)
+    return Sample(client.stats(), time.monotonic(), replicas)
 
 
 def render_top(before: Sample, after: Sample, title: str) -> str:
@@ -77,15 +87,38 @@ def render_top(before: Sample, after: Sample, title: str) -> str:
         f"rate      {generated:.1f} tokens/s generated   {computed:.1f} tokens/s computed   "
         f"{steps_per_s:.1f} steps/s   lockstep lag {s.step - s.done} steps",
     ]
+    lines += _replica_lines(before, after, dt)
     lines += _stage_lines(getattr(p, "stages", {}), getattr(s, "stages", {}), dt)
     return "\n".join(lines)
+
+
+def _replica_lines(before: Sample, after: Sample, dt: float) -> list[str]:
+    """Each data-parallel replica's requests, KV cache and rate (its stages are the
+    stage lines' ``STAGE dpN``)."""
+    if after.replicas is None:
+        return []
+    lines = []
+    for index, stats in enumerate(after.replicas):
+        if stats is None:
+            lines.append(f"replica {index}  not serving (no answer)")
+            continue
+        prev = before.replicas[index] if before.replicas else None
+        generated = stats.generated_tokens - (prev.generated_tokens if prev else 0)
+        used = 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0
+        lines.append(
+            f"replica {index}  {stats.num_running} running, "
+            f"{stats.num_waiting + stats.num_preempted} waiting   KV cache {used:6.1%}   "
+            f"{max(0, generated) / dt:.1f} tokens/s generated"
+        )
+    return lines
 
 
 def _stage_lines(before: dict, after: dict, dt: float) -> list[str]:
     """Each stage's busy share of the interval and its ms per step, and the verdict."""
     if not after:
         return ["stages    (no step breakdown from this engine)"]
-    lines = [f"{'stage':<10}{'busy':>7}{'ms/step':>10}"]
+    width = max(10, *(len(stage) + 2 for stage in after))
+    lines = [f"{'stage':<{width}}{'busy':>7}{'ms/step':>10}"]
     shares = {}
     for stage, times in after.items():
         prev = before.get(stage)
@@ -93,7 +126,7 @@ def _stage_lines(before: dict, after: dict, dt: float) -> list[str]:
         steps = times.steps - (prev.steps if prev else 0)
         shares[stage] = busy / dt
         per_step = f"{1000 * busy / steps:.2f}" if steps else "-"
-        lines.append(f"{stage:<10}{shares[stage]:>7.0%}{per_step:>10}")
+        lines.append(f"{stage:<{width}}{shares[stage]:>7.0%}{per_step:>10}")
     lines.append(verdict(shares))
     return lines
 

@@ -36,16 +36,11 @@ class VllmFlag:
         return "vllm_" + self.names[0].lstrip("-").replace("-", "_")
 
 
-ONE_EXECUTOR = "this engine serves one replica (split by -tp at most)"
 NO_PIPELINE = "layers are not split in stages: -tp splits every layer instead"
 OFFLINE = "models load offline, as they are on disk"
 
 TABLE: tuple[VllmFlag, ...] = (
     VllmFlag(("--pipeline-parallel-size", "-pp"), int, NO_PIPELINE, served=(1,), refused=True),
-    VllmFlag(("--data-parallel-size", "-dp"), int, ONE_EXECUTOR, served=(1,), refused=True),
-    VllmFlag(
-        ("--distributed-executor-backend",), str, ONE_EXECUTOR, served=("mp", "uni"), refused=True
-    ),
     VllmFlag(
         ("--kv-cache-dtype",),
         str,

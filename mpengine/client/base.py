@@ -15,7 +15,9 @@ import msgspec
 
 from mpengine.client.connection import Connection, after_fork
 from mpengine.client.outputs import EmbeddingOutput
+from mpengine.client.replicas import Replicas, addresses_of
 from mpengine.client.requests import Batch, Request, query_steps
+from mpengine.client.routing import Policy
 from mpengine.client.sockets import Deadline
 from mpengine.client.tokens import ChatOptions, Conversation, EngineText, token_array
 from mpengine.client.waits import Inbox, blocking_call
@@ -110,15 +112,27 @@ class ClientBase:
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         *,
         timeout: float = 30.0,
         client_id: str | None = None,
         auth_token: str | None = None,
+        routing: Policy = "least_outstanding",
     ) -> None:
-        self._conn = Connection(
-            address, timeout=timeout, client_id=client_id, auth_token=auth_token
-        )
+        addresses = addresses_of(address)
+        self._conn: Connection | Replicas
+        if isinstance(address, str) and len(addresses) == 1:  # one engine
+            self._conn = Connection(
+                addresses[0], timeout=timeout, client_id=client_id, auth_token=auth_token
+            )
+        else:
+            self._conn = Replicas(
+                addresses,
+                timeout=timeout,
+                client_id=client_id,
+                auth_token=auth_token,
+                routing=routing,
+            )
         self._timeout = timeout
         self._text = EngineText()  # fetched from the engine on first use
         self._tokenizer_lock = threading.Lock()
@@ -139,6 +153,17 @@ class ClientBase:
     @property
     def client_id(self) -> str:
         return self._conn.client_id
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The engine's replicas this client routes requests between."""
+        return len(self._conn.replicas) if isinstance(self._conn, Replicas) else 1
+
+    def replica_problems(self) -> list[str | None]:
+        """Why each replica does not take requests now (None for one that does)."""
+        if isinstance(self._conn, Replicas):
+            return [problem for _, problem in self._conn.status()]
+        return [self._conn.problem()]
 
     def tokenize(self, text: str, *, max_length: int | None = None) -> list[int]:
         """Token ids of ``text`` with the engine's tokenizer (fetched from the engine once
@@ -241,11 +266,12 @@ class ClientBase:
         request_ids: Sequence[str | None] | None,
         priority: int | Sequence[int],
         tenant: str | None = None,
+        rank: int | None = None,
     ) -> Batch:
         """``generate_many``'s batch: each prompt's ``RequestOutput``."""
         make, result = self._request, Request.output
         batch = self._batch(make, SamplingParams, result, prompts, params, request_ids, priority)
-        batch.tenant = _tenant(tenant)
+        batch.tenant, batch.rank = _tenant(tenant), rank
         return batch
 
     def _embeddings(
@@ -256,12 +282,13 @@ class ClientBase:
         priority: int | Sequence[int],
         on_output: Callable[[int, EmbeddingOutput], object] | None,
         tenant: str | None = None,
+        rank: int | None = None,
     ) -> Batch:
         """``embed_many``'s batch: each input's ``EmbeddingOutput``, each passed to
         ``on_output(index, embedding)`` as it finishes."""
         make, result = self._embed_request, Request.embedding
         batch = self._batch(make, PoolingParams, result, prompts, params, request_ids, priority)
-        batch.tenant = _tenant(tenant)
+        batch.tenant, batch.rank = _tenant(tenant), rank
         if on_output is not None:
             batch.finished = lambda request: on_output(request.index, request.embedding())
         return batch
@@ -297,15 +324,22 @@ class ClientBase:
         moment for its word on why before failing requests with a generic reason."""
         self._conn.mark_supervised()
 
-    def scheduler_lost(self, reason: str) -> None:
+    def scheduler_lost(self, reason: str, replica: int | None = None) -> None:
         """For the launcher that made this client: its engine's scheduler died (``reason``)
-        and the engine restarts; the requests in flight fail, saying why."""
-        self._conn.scheduler_lost(reason)
+        and the engine restarts; the requests in flight fail, saying why. ``replica``: the
+        data-parallel replica whose scheduler it was."""
+        self._conn.scheduler_lost(reason, replica)
 
-    def engine_died(self, reason: str) -> None:
+    def replica_recovering(self, stage: str | None, replica: int | None = None) -> None:
+        """For the launcher that made this client: the engine (or data-parallel replica)
+        restarts its ``stage`` (None: done); new requests go to other replicas meanwhile."""
+        self._conn.replica_recovering(stage, replica)
+
+    def engine_died(self, reason: str, replica: int | None = None) -> None:
         """The engine died (its launcher says why): every pending request fails now with
-        ``EngineDeadError(reason)``, and no new one can be sent."""
-        self._conn.engine_died(reason)
+        ``EngineDeadError(reason)``, and no new one can be sent. ``replica``: one replica
+        died, whose requests fail; the others serve, and it is tried again later."""
+        self._conn.engine_died(reason, replica)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its output finishes with reason ``abort``."""

@@ -79,6 +79,7 @@ class Calls(ClientBase):
         request_id: str | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> StreamSteps[RequestOutput]:
         """Yield each delta as the engine produces it (the last has ``finished``).
         Closing the stream, or ``timeout`` seconds passing (``TimeoutError``), aborts the
@@ -88,8 +89,12 @@ class Calls(ClientBase):
         that an ``async for`` leaves early). ``priority``: lower runs first, when the engine
         schedules by priority. ``tenant``: whose share of the engine the request uses
         (None: this client's); a front end serving many users names each (the engine
-        shares its sequences fairly between tenants, ``scheduler/waiting.py``)."""
-        return self._deltas(prompt, params, request_id, timeout, priority, tenant)
+        shares its sequences fairly between tenants, ``scheduler/waiting.py``).
+        ``data_parallel_rank``: the replica of a data-parallel engine that runs it (None:
+        the client's router chooses); every call takes it."""
+        return self._deltas(
+            prompt, params, request_id, timeout, priority, tenant, data_parallel_rank
+        )
 
     @call
     def generate(
@@ -101,10 +106,13 @@ class Calls(ClientBase):
         timeout: float | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> Steps[RequestOutput]:
         """Run one request to completion; after ``timeout`` seconds abort it and raise
         ``TimeoutError``."""
-        batch = self._generations([prompt], params, [request_id], priority, tenant)
+        batch = self._generations(
+            [prompt], params, [request_id], priority, tenant, data_parallel_rank
+        )
         (out,) = yield from self._finished(batch, timeout)
         return out
 
@@ -118,14 +126,16 @@ class Calls(ClientBase):
         request_ids: Sequence[str | None] | None = None,
         priority: int | Sequence[int] = 0,
         tenant: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> Steps[list[RequestOutput]]:
         """Submit every prompt at once (so they batch); return the outputs in order. After
         ``timeout`` seconds (for all of them) abort the unfinished and raise ``TimeoutError``.
         ``priority``: one for all, or one per prompt (lower runs first, when the engine
         schedules by priority)."""
-        return self._finished(
-            self._generations(prompts, params, request_ids, priority, tenant), timeout
+        batch = self._generations(
+            prompts, params, request_ids, priority, tenant, data_parallel_rank
         )
+        return self._finished(batch, timeout)
 
     @call
     def apply_chat_template(
@@ -157,6 +167,7 @@ class Calls(ClientBase):
         timeout: float | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> Steps[RequestOutput | list[RequestOutput]]:
         """The model's reply to a conversation, as vLLM's ``LLM.chat``.
 
@@ -176,9 +187,8 @@ class Calls(ClientBase):
         conversations, batch = chats(messages, request_id)
         prompts = yield self._rendered(conversations, ChatOptions.of(locals()))
         ids = [request_id] * len(prompts)
-        outs = yield from self._finished(
-            self._generations(prompts, params, ids, priority, tenant), timeout
-        )
+        batch = self._generations(prompts, params, ids, priority, tenant, data_parallel_rank)
+        outs = yield from self._finished(batch, timeout)
         return outs if batch else outs[0]
 
     @streams.eagerly
@@ -196,6 +206,7 @@ class Calls(ClientBase):
         request_id: str | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> StreamSteps[RequestOutput]:
         """The reply to one conversation (arguments as for ``chat``), as ``stream`` yields a
         prompt's: each delta as the engine produces it; closing the stream aborts the
@@ -203,7 +214,9 @@ class Calls(ClientBase):
         render raises there, before any iteration), ``AsyncClient`` at the first one."""
         conversations = one_chat(messages)
         (ids,) = yield self._rendered(conversations, ChatOptions.of(locals()))
-        yield from self._deltas(ids, params, request_id, timeout, priority, tenant)
+        yield from self._deltas(
+            ids, params, request_id, timeout, priority, tenant, data_parallel_rank
+        )
 
     @call
     def embed_many(
@@ -216,12 +229,15 @@ class Calls(ClientBase):
         priority: int | Sequence[int] = 0,
         tenant: str | None = None,
         on_output: Callable[[int, EmbeddingOutput], object] | None = None,
+        data_parallel_rank: int | None = None,
     ) -> Steps[list[EmbeddingOutput]]:
         """Submit every input at once (so they batch); return the embeddings in order. A bad
         input raises ``InvalidRequestError`` (the others are aborted). ``on_output(index,
         embedding)`` is called for each input as it finishes, in finishing order (progress
         of a long batch, or what was done when the call fails part-way)."""
-        batch = self._embeddings(prompts, params, request_ids, priority, on_output, tenant)
+        batch = self._embeddings(
+            prompts, params, request_ids, priority, on_output, tenant, data_parallel_rank
+        )
         return self._finished(batch, timeout)
 
     @call
@@ -234,17 +250,24 @@ class Calls(ClientBase):
         timeout: float | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> Steps[EmbeddingOutput]:
         """The embedding of one text (or token ids); ``params`` default to the model's
         pooling. After ``timeout`` seconds abort it and raise ``TimeoutError``."""
-        batch = self._embeddings([prompt], params, [request_id], priority, None, tenant)
+        batch = self._embeddings(
+            [prompt], params, [request_id], priority, None, tenant, data_parallel_rank
+        )
         (out,) = yield from self._finished(batch, timeout)
         return out
 
     @call
-    def stats(self, timeout: float = 10.0) -> Steps[EngineStats]:
-        """The scheduler's counters: queues, free blocks, preemptions..."""
-        return self._asked(StatsQuery, timeout)
+    def stats(
+        self, timeout: float = 10.0, *, data_parallel_rank: int | None = None
+    ) -> Steps[EngineStats]:
+        """The scheduler's counters: queues, free blocks, preemptions... Of a data-parallel
+        engine: every serving replica's added up (each one's stages named ``STAGE dpN``),
+        or those of the replica ``data_parallel_rank``."""
+        return self._asked(StatsQuery, timeout, data_parallel_rank)
 
     # -- what the calls wait for ---------------------------------------------------------
 
@@ -256,6 +279,7 @@ class Calls(ClientBase):
         timeout: float | None,
         priority: int,
         tenant: str | None,
+        rank: int | None,
     ) -> StreamSteps[RequestOutput]:
         """A streamed request's deltas, until it finishes; aborted if the stream stops
         first."""
@@ -264,7 +288,7 @@ class Calls(ClientBase):
         make = functools.partial(
             self._request, prompt, params, request_id, priority, streaming=True, tenant=tenant
         )
-        request = Request(self._conn, (yield self._prepare([prompt], make)), inbox.put)
+        request = Request(self._conn, (yield self._prepare([prompt], make)), inbox.put, 0, rank)
         try:
             while not request.finished:
                 _, item = yield functools.partial(inbox.get, deadline, request.expect(deadline))
@@ -289,6 +313,8 @@ class Calls(ClientBase):
 
         return self._prepare(_texts(conversations), render, tokenizer=True)
 
-    def _asked(self, make: Callable[[int], Any], timeout: float) -> Steps[Any]:
-        """The engine's reply to the query ``make(query_id)``."""
-        return query_steps(self._conn, make, self._inbox(), Deadline(timeout))
+    def _asked(
+        self, make: Callable[[int], Any], timeout: float, rank: int | None = None
+    ) -> Steps[Any]:
+        """The engine's reply to the query ``make(query_id)`` (``rank``: one replica's)."""
+        return query_steps(self._conn, make, self._inbox(), Deadline(timeout), rank)

@@ -172,6 +172,8 @@ class Connection:
         self._outputs_down: float | None = None
         self._scheduler_lost: str | None = None  # why, as the launcher said
         self._pid = os.getpid()
+        self.index = 0  # which replica of its engine (``Replicas``)
+        self.recovering: str | None = None  # the stage its launcher restarts now
         deadline = Deadline(timeout)
         hello = encoder.encode(Hello(self.routing_id))
         ctx = context()
@@ -204,6 +206,33 @@ class Connection:
     def closed(self) -> bool:
         """No more requests can be sent (closed, dropped, or the engine is gone)."""
         return self._ending is not None
+
+    @property
+    def serving(self) -> bool:
+        """Whether new requests may come here: open, and both stages connected."""
+        down = self._requests_down is not None or self._outputs_down is not None
+        return self._ending is None and not down and self.recovering is None
+
+    def problem(self) -> str | None:
+        """Why it does not serve (None when it does)."""
+        if self._ending is not None:
+            return self.dead or self._ending[1]
+        if self._requests_down is not None:
+            return "its scheduler is down (it restarts, or the engine died)"
+        if self._outputs_down is not None:
+            return "its output processor is down (it restarts)"
+        if self.recovering is not None:
+            return f"its {self.recovering} stage died and restarts"
+        return None
+
+    def route(self, request: AddRequest, rank: int | None) -> Connection:
+        """Where ``request`` goes: here (a replica set chooses among its connections);
+        ``rank`` pins a data-parallel replica, of which an engine alone has one."""
+        if rank not in (None, 0) or isinstance(rank, bool):
+            raise InvalidRequestError(
+                f"data_parallel_rank {rank!r}: this engine has one replica (0)"
+            )
+        return self
 
     def _enqueue(self, frames: Iterable[bytes]) -> None:
         """Queue frames for the I/O thread and wake it; the caller holds the lock."""
@@ -272,9 +301,14 @@ class Connection:
                 if self._ending is None:
                     self._enqueue(abort_frames(wire_ids, self.abort_chunk_bytes))
 
-    def query(self, make: Callable[[int], msgspec.Struct], sink: Sink) -> int:
+    def query(
+        self, make: Callable[[int], msgspec.Struct], sink: Sink, rank: int | None = None
+    ) -> int:
         """Send ``make(query_id)``; the engine's reply (or an exception) goes to ``sink``.
-        The caller removes ``queries[query_id]`` when it stops waiting."""
+        The caller removes ``queries[query_id]`` when it stops waiting. (``rank``: as
+        ``route``'s.)"""
+        if rank is not None:
+            self.route(None, rank)  # type: ignore[arg-type]
         query_id = next(self._query_ids)
         frame = encoder.encode(make(query_id))
         with self._lock:
@@ -300,11 +334,16 @@ class Connection:
         dies: seeing the engine close the connection, wait a moment for its word on why."""
         self.supervised = True
 
-    def engine_died(self, reason: str) -> None:
-        """The launcher saw the engine die (any thread): fail everything pending now."""
+    def engine_died(self, reason: str, replica: int | None = None) -> None:
+        """The launcher saw the engine die (any thread): fail everything pending now.
+        (``replica``: which one of a replica set, here always this one.)"""
         self._end(EngineDeadError, reason)
 
-    def scheduler_lost(self, reason: str) -> None:
+    def replica_recovering(self, stage: str | None, replica: int | None = None) -> None:
+        """The launcher restarts ``stage`` of this engine (None: it is back)."""
+        self.recovering = stage
+
+    def scheduler_lost(self, reason: str, replica: int | None = None) -> None:
         """The launcher saw the scheduler die and restarts the engine (any thread): what
         is pending fails (``_scheduler_gone``) with ``reason``."""
         with self._lock:

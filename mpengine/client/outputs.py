@@ -33,13 +33,15 @@ class CompletionOutput:
 @dataclass(slots=True)
 class RequestMetrics:
     """When a request arrived, was first scheduled, got its first token and finished
-    (``time.time()`` seconds; 0 until known). A stream's deltas share the request's one
-    object, complete once the request has finished."""
+    (``time.time()`` seconds; 0 until known), and which data-parallel replica ran it. A
+    stream's deltas share the request's one object, complete once the request has
+    finished."""
 
     arrival_time: float = 0.0
     scheduled_time: float = 0.0
     first_token_time: float = 0.0
     finished_time: float = 0.0
+    data_parallel_rank: int = 0
 
     @property
     def time_to_first_token(self) -> float:

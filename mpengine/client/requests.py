@@ -22,6 +22,7 @@ import msgspec
 
 from mpengine.client.connection import Connection, Sink
 from mpengine.client.outputs import Assembly, EmbeddingOutput, RequestOutput
+from mpengine.client.replicas import Replicas
 from mpengine.client.sockets import Deadline
 from mpengine.client.waits import AsyncInbox, Inbox, Steps
 from mpengine.protocol import AddRequest, EngineInfo, OutputDelta
@@ -33,11 +34,20 @@ class Request:
     """One submitted request seen from its caller (see the module's docstring); its events
     go to ``put`` as ``(request, delta or exception)``. ``index``: its place in its call."""
 
-    def __init__(self, conn: Connection, request: AddRequest, put: Sink, index: int = 0) -> None:
-        self.conn = conn
+    def __init__(
+        self,
+        conn: Connection | Replicas,
+        request: AddRequest,
+        put: Sink,
+        index: int = 0,
+        rank: int | None = None,
+    ) -> None:
+        # The connection of the replica that runs it (pinned by ``rank``, or routed).
+        self.conn = conn = conn.route(request, rank)
         self.request_id = request.request_id
         self.index = index
         self.assembly = Assembly(request)
+        self.assembly.output.metrics.data_parallel_rank = conn.index
         # Final deltas (or the error) not yet received by the I/O thread.
         self._finals_due = self.assembly.num_open
 
@@ -93,10 +103,13 @@ class Request:
 def cancel(requests: Sequence[Request]) -> None:
     """Their caller stopped waiting: forget the requests (their ids are free again), abort
     those still running, in one chunked ``Abort``."""
+    running: dict[int, list[Request]] = {}  # by connection (replica)
     for request in requests:
         request.conn.forget(request.request_id, request.wire_id)
-    if requests:
-        requests[0].conn.abort([r.wire_id for r in requests if not r.ended])
+        if not request.ended:
+            running.setdefault(id(request.conn), []).append(request)
+    for chunk in running.values():
+        chunk[0].conn.abort([r.wire_id for r in chunk])
 
 
 class Window:
@@ -163,6 +176,7 @@ class Batch:
     result: Callable[[Request], Any]
     finished: Callable[[Request], object] | None = None
     tenant: str = ""  # whose share of the engine its requests use ("": the client's)
+    rank: int | None = None  # the data-parallel replica that runs them (None: routed)
 
     @property
     def prompts(self) -> list[Any]:
@@ -173,7 +187,11 @@ class Batch:
         return (self.make(*job) for job in self.jobs)
 
     def steps(
-        self, conn: Connection, made: Iterable[AddRequest], inbox: Mailbox, deadline: Deadline
+        self,
+        conn: Connection | Replicas,
+        made: Iterable[AddRequest],
+        inbox: Mailbox,
+        deadline: Deadline,
     ) -> Steps[list]:
         """Submit ``made`` within a ``Window`` of the engine's bounds, then wait (in
         ``inbox``, until ``deadline``) for every request to finish; return their results in
@@ -187,7 +205,7 @@ class Batch:
                     window.release((yield from self._take(inbox, deadline, None)))
                 add.continues = window.released > 0
                 add.tenant = self.tenant
-                requests.append(Request(conn, add, inbox.put, len(requests)))
+                requests.append(Request(conn, add, inbox.put, len(requests), self.rank))
                 window.add(requests[-1], add)
             yield from self._take(inbox, deadline, requests)
             return [self.result(r) for r in requests]
@@ -215,10 +233,15 @@ class Batch:
 
 
 def query_steps(
-    conn: Connection, make: Callable[[int], msgspec.Struct], inbox: Mailbox, deadline: Deadline
+    conn: Connection | Replicas,
+    make: Callable[[int], msgspec.Struct],
+    inbox: Mailbox,
+    deadline: Deadline,
+    rank: int | None = None,
 ) -> Steps[Any]:
-    """Send ``make(query_id)`` and return the engine's reply (waited for in ``inbox``)."""
-    query_id = conn.query(make, inbox.put)
+    """Send ``make(query_id)`` and return the engine's reply (waited for in ``inbox``);
+    ``rank``: of that data-parallel replica only."""
+    query_id = conn.query(make, inbox.put, rank)
     try:
         reply = yield partial(inbox.get, deadline, f"no reply to {make.__name__}")
     finally:

@@ -14,7 +14,10 @@ class Client(Calls, Blocking, waits=blocking):
     """Blocking client. Thread-safe: many threads may generate at once.
 
     ``address``: the engine's request address (``engine.address``; ``ipc://...`` or
-    ``tcp://host:port``). ``timeout``: seconds for the handshake (and tokenizer fetch).
+    ``tcp://host:port``), or those of its data-parallel replicas (a list, or one string
+    separated by commas): each request goes to one of them, by ``routing``
+    (``least_outstanding`` or ``prefix_affinity``, ``client/routing.py``) or as a call's
+    ``data_parallel_rank`` pins it. ``timeout``: seconds for the handshake (and tokenizer fetch).
     ``client_id``: a name for the client in logs (default: random); each connection routes
     under it plus a nonce of its own, so clients may share a name.
     ``auth_token``: the engine's ``auth_token``, if it has one.

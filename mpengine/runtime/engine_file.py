@@ -21,6 +21,7 @@ from shm.segment import pid_alive
 ENGINE_FILE = "engine.json"
 # A launcher's runtime directory in the temp dir: mpengine-<engine id>-<pid>-<pid ns>-<random>.
 RUNTIME_DIR_GLOB = "mpengine-*-*-*-*"
+REPLICA_DIR_GLOB = "mpengine-*-dp-*/dp*"  # a data-parallel engine's replicas (data_parallel.py)
 
 
 def write_engine_file(directory: str, record: dict) -> None:
@@ -52,12 +53,17 @@ def address_of_url(url: str) -> str:
     (``http[s]://HOST:PORT``): the engine file of a runtime directory in the temp dir names
     it (a port is one server's on a host). LookupError when no live engine there does."""
     port = urllib.parse.urlsplit(url).port
-    for path in sorted(Path(tempfile.gettempdir()).glob(f"{RUNTIME_DIR_GLOB}/{ENGINE_FILE}")):
-        record = read_engine_file(str(path.parent)) or {}
-        http = record.get("http")
-        pid = record.get("pid")
-        if http and urllib.parse.urlsplit(http).port == port and _is_pid(pid) and pid_alive(pid):
-            return f"ipc://{path.parent}"
+    found = []  # (of data-parallel replicas: every one's, in order)
+    for pattern in (RUNTIME_DIR_GLOB, REPLICA_DIR_GLOB):
+        for path in sorted(Path(tempfile.gettempdir()).glob(f"{pattern}/{ENGINE_FILE}")):
+            record = read_engine_file(str(path.parent)) or {}
+            http = record.get("http")
+            pid = record.get("pid")
+            ours = http and urllib.parse.urlsplit(http).port == port
+            if ours and _is_pid(pid) and pid_alive(pid):
+                found.append(f"ipc://{path.parent}")
+    if found:
+        return ",".join(sorted(found, key=lambda a: (len(a), a)))
     raise LookupError(
         f"no engine of this host serves {url} from the temp dir; give its ipc:// address "
         "(`mpengine serve` prints it at start)"
@@ -117,7 +123,10 @@ def find_engine(address: str | None = None, pid: int | None = None) -> EnginePro
 def _is_stage(pid: int, name: str, launcher: int) -> bool:
     """Whether ``pid`` is the live stage ``name`` of the launcher ``launcher``."""
     try:
-        return process_title(pid) == f"mpengine: {name}" and _parent(pid) == launcher
+        title = process_title(pid) or ""
+        # (a data-parallel replica's stages are titled "mpengine: STAGE dpN")
+        named = title == f"mpengine: {name}" or title.startswith(f"mpengine: {name} dp")
+        return named and _parent(pid) == launcher
     except OSError:  # gone meanwhile
         return False
 

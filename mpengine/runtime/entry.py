@@ -68,8 +68,14 @@ def run_stage(
     openmp_defaults()
     config_bytes, wiring_bytes = conn.recv_bytes(), conn.recv_bytes()
     config = EngineConfig.decode(config_bytes)
+    stage_label = stage
+    if config.data_parallel_size > 1:  # which replica's stage, for ps, stacks, top and logs
+        stage_label = f"{stage} dp{config.data_parallel_rank}"
+        setproctitle.setproctitle(f"mpengine: {stage_label}")
+    if config.cuda_visible_devices is not None:  # (before anything imports torch)
+        os.environ["CUDA_VISIBLE_DEVICES"] = config.cuda_visible_devices
     wiring = msgspec.msgpack.decode(wiring_bytes, type=Wiring)
-    configure_logging(config.log_level, stage)
+    configure_logging(config.log_level, stage_label)
     stop = StopFlag()
     install_signals(stage, stop, runtime_dir, parent_pid)
     control = Control(stage, conn)

@@ -1,5 +1,7 @@
-"""``mpengine serve --headless``: a host that runs only its share of an engine's
-tensor-parallel ranks (``--node-rank`` above 0 of ``--nnodes``), as vLLM's headless nodes.
+"""``mpengine serve --headless``: an engine without the HTTP API (``run_engine``: for IPC
+clients, and for a front elsewhere, ``mpengine serve --engine-address``, as vLLM's headless
+data-parallel engines); or a host that runs only its share of an engine's tensor-parallel
+ranks (``--node-rank`` above 0 of ``--nnodes``), as vLLM's headless nodes.
 
 The engine itself (scheduler, output processor, rank 0 and node 0's other ranks) runs on
 node 0; here each rank of this host is a stage process (``mpengine: executor tpN``) that
@@ -31,13 +33,37 @@ logger = logging.getLogger(__name__)
 STOP_GRACE_S = 5.0
 
 
+def run_engine(config: EngineConfig) -> int:
+    """Run the engine (every replica of it) until SIGTERM / SIGINT (then drain) or its
+    death; the exit status."""
+    from mpengine.launch import Engine
+
+    done, deaths = threading.Event(), []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: done.set())
+    try:
+        engine = Engine(config)
+    except EngineStartError as exc:
+        logger.error("%s", exc)
+        return 1
+    try:
+        engine.on_death(lambda reason: (deaths.append(reason), done.set()))
+        model = engine.model.model_path if engine.model else config.model
+        print(f"mpengine: serving {model} at {engine.address}", flush=True)
+        done.wait()
+        if deaths:
+            return 1
+        engine.shutdown(drain=True)
+        return 0
+    finally:
+        engine.shutdown()
+
+
 def run_headless(config: EngineConfig) -> int:
-    """Run this host's ranks until one ends or SIGTERM / SIGINT; the exit status."""
+    """Run this host's ranks until one ends or SIGTERM / SIGINT, or (node 0, or no other
+    node) the engine alone; the exit status."""
     if config.nnodes == 1 or config.node_rank == 0:
-        raise SystemExit(
-            "mpengine: --headless runs the ranks of a node other than 0: give --nnodes, "
-            "--node-rank (above 0), --master-addr and --master-port as on node 0"
-        )
+        return run_engine(config)
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())

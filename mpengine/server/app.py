@@ -172,7 +172,15 @@ def _service_routes(state: ServerState) -> APIRouter:
         problem = state.monitor.problem()
         if problem is not None:
             raise APIError(503, problem, code="unhealthy")
-        return Response(b'{"status":"ok"}', media_type="application/json")
+        if state.monitor.size == 1:
+            return Response(b'{"status":"ok"}', media_type="application/json")
+        # Serving while one replica does; which ones do not, and why.
+        replicas = [
+            {"engine": str(i), "status": "ok" if p is None else "unhealthy", "problem": p}
+            for i, p in enumerate(state.monitor.replica_problems())
+        ]
+        status = "ok" if all(r["problem"] is None for r in replicas) else "degraded"
+        return _json({"status": status, "replicas": replicas})
 
     @router.get("/metrics")
     async def metrics() -> Response:

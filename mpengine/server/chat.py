@@ -20,7 +20,12 @@ from mpengine.chat_template import message_texts
 from mpengine.client.outputs import RequestOutput
 from mpengine.client.tokens import off_the_loop
 from mpengine.server.errors import bad_request, invalid_value
-from mpengine.server.generation import Generation, PromptResult, until_disconnected
+from mpengine.server.generation import (
+    Generation,
+    PromptResult,
+    pinned_rank,
+    until_disconnected,
+)
 from mpengine.server.logprobs import chat_logprobs, prompt_logprob_entries
 from mpengine.server.schemas import (
     AssistantMessage,
@@ -138,7 +143,8 @@ async def create_chat_completion(
         names = {"logprobs": "top_logprobs", "max_tokens": param, **body.engine_names()}
         raise invalid_value(exc, names) from None
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = Generation(state, [prompt], params, request_id, body.priority, body.user)
+    rank = pinned_rank(state, request)
+    generation = Generation(state, [prompt], params, request_id, body.priority, body.user, rank)
     view = _View(state, body, model, request_id, prompt, num_top, tools)
     if body.stream:
         return await stream_response(request, generation, view.stream(generation))

@@ -22,7 +22,12 @@ from starlette.responses import Response
 
 from mpengine.client.outputs import RequestOutput
 from mpengine.server.errors import bad_request, invalid_value
-from mpengine.server.generation import Generation, PromptResult, until_disconnected
+from mpengine.server.generation import (
+    Generation,
+    PromptResult,
+    pinned_rank,
+    until_disconnected,
+)
 from mpengine.server.logprobs import completion_logprobs, prompt_logprob_entries
 from mpengine.server.schemas import (
     Completion,
@@ -77,7 +82,8 @@ async def create_completion(
     except (msgspec.ValidationError, ValueError) as exc:
         raise invalid_value(exc, body.engine_names(body.best_of)) from None
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = Generation(state, prompts, params, request_id, body.priority, body.user)
+    rank = pinned_rank(state, request)
+    generation = Generation(state, prompts, params, request_id, body.priority, body.user, rank)
     view = _View(state, body, model, request_id, texts, prompts, echo_only)
     if body.stream:
         return await stream_response(request, generation, view.stream(generation))

@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from mpengine.protocol import PoolingParams
 from mpengine.server.errors import bad_request, field_of, from_engine
-from mpengine.server.generation import until_disconnected
+from mpengine.server.generation import pinned_rank, until_disconnected
 from mpengine.server.request_logs import log_request
 from mpengine.server.schemas import EmbeddingData, EmbeddingList, EmbeddingRequest, EmbeddingUsage
 from mpengine.server.state import ServerState
@@ -61,7 +61,8 @@ async def create_embedding(
         encoded = iter(await state.text.encode(texts, add_special_tokens=False, field="input"))
         prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
     request_id = f"embd-{uuid.uuid4().hex}"
-    work = _embed(state, prompts, params, request_id, body.priority, body.user)
+    rank = pinned_rank(state, request)
+    work = _embed(state, prompts, params, request_id, body.priority, body.user, rank)
     outputs = await until_disconnected(request, work)
     data = [
         EmbeddingData(index, encode(out.embedding, body.encoding_format))
@@ -106,6 +107,7 @@ async def _embed(
     request_id: str,
     priority: int = 0,
     user: str | None = None,
+    rank: int | None = None,
 ) -> list[EmbeddingOutput]:
     """Every input's embedding; counted in flight (what a drain waits for) and in the
     request metrics, each input as it finishes. A cancelled call (the HTTP client went
@@ -129,6 +131,7 @@ async def _embed(
             priority=priority,
             tenant=user or request_id,  # whose share it uses (see ``Generation``)
             on_output=count,
+            data_parallel_rank=rank,
         )
     except asyncio.CancelledError:
         for _ in range(len(prompts) - finished):
@@ -146,7 +149,8 @@ async def _embed(
 def _count(state: ServerState, out: EmbeddingOutput) -> None:
     """The request metrics that apply to an embedding: prompt tokens, latency, queue time,
     and one success (``stop``)."""
-    m, t = state.metrics, out.metrics
+    t = out.metrics
+    m = state.metrics.series(t.data_parallel_rank)
     m.prompt_tokens.inc(out.num_prompt_tokens)
     m.request_prompt_tokens.observe(out.num_prompt_tokens)
     if t.scheduled_time:

@@ -29,6 +29,23 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+RANK_HEADER = "X-data-parallel-rank"  # vLLM's: the replica that runs the request
+
+
+def pinned_rank(state: ServerState, request: Request) -> int | None:
+    """The data-parallel replica the request's ``X-data-parallel-rank`` header pins (None:
+    the client's router chooses); a bad one is a 400."""
+    value = request.headers.get(RANK_HEADER)
+    if value is None:
+        return None
+    size = state.client.data_parallel_size
+    if not value.strip().isdigit() or not 0 <= int(value) < size:
+        raise APIError(
+            400,
+            f"{RANK_HEADER} {value!r}: this server's engine has {size} replicas (0..{size - 1})",
+        )
+    return int(value)
+
 
 @dataclass(slots=True)
 class Sample:
@@ -84,6 +101,7 @@ class Generation:
         request_id: str,
         priority: int = 0,
         user: str | None = None,
+        rank: int | None = None,
     ) -> None:
         self.state = state
         self.prompts = prompts
@@ -99,7 +117,12 @@ class Generation:
         tenant = user or request_id
         self.streams = [
             read(
-                prompt, params, request_id=f"{request_id}-{index}", priority=priority, tenant=tenant
+                prompt,
+                params,
+                request_id=f"{request_id}-{index}",
+                priority=priority,
+                tenant=tenant,
+                data_parallel_rank=rank,
             )
             for index, prompt in enumerate(prompts)
         ]
@@ -112,13 +135,24 @@ class Generation:
             self.tasks = [asyncio.create_task(self._pump(i)) for i in range(len(prompts))]
 
     async def _ranked(
-        self, prompt: list[int], params: SamplingParams, request_id: str, priority: int, tenant: str
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        tenant: str,
+        data_parallel_rank: int | None,
     ) -> AsyncIterator[RequestOutput]:
         """A ranked request's result as one delta per returned sample, the last one
         ``finished``; the first carries the tokens all ``best_of`` samples generated."""
         client = self.state.client
         out = await client.generate(
-            prompt, params, request_id=request_id, priority=priority, tenant=tenant
+            prompt,
+            params,
+            request_id=request_id,
+            priority=priority,
+            tenant=tenant,
+            data_parallel_rank=data_parallel_rank,
         )
         for sample in out.outputs:
             total = out.num_generated_tokens if sample.index == 0 else 0

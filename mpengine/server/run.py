@@ -26,10 +26,12 @@ import socket
 import ssl
 import sys
 from collections.abc import Coroutine, Iterator
+from typing import Any
 
 import uvicorn
 
 from mpengine.config import EngineConfig
+from mpengine.data_parallel import RemoteReplicas
 from mpengine.launch import Engine, raise_open_files_limit
 from mpengine.metrics import ServerMetrics
 from mpengine.runtime.engine_file import ipc_dir, read_engine_file, write_engine_file
@@ -73,7 +75,10 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, signal.default_int_handler)
     try:
-        engine = Engine(engine_config)
+        if args.engine_address:  # engines started elsewhere: this is their front only
+            engine: Any = RemoteReplicas(engine_config, args.engine_address)
+        else:
+            engine = Engine(engine_config)
     except KeyboardInterrupt:
         listener.close()
         print("mpengine: stopped while starting", file=sys.stderr)
@@ -213,7 +218,7 @@ class _Server(uvicorn.Server):
 
 
 async def _serve(
-    engine: Engine,
+    engine: Any,
     listener: socket.socket,
     args: argparse.Namespace,
     api_key: str | None,
@@ -318,10 +323,12 @@ def _connection_limit(asked: int | None) -> int:
     return min(asked, room) if asked is not None else min(room, DEFAULT_MAX_CONNECTIONS)
 
 
-def _state(engine: Engine, args: argparse.Namespace, api_key: str | None) -> ServerState:
-    client = engine.async_client()
+def _state(engine: Any, args: argparse.Namespace, api_key: str | None) -> ServerState:
+    client = engine.async_client(timeout=engine.config.startup_timeout)
     info = client.info
-    names = args.served_model_name or [engine.config.model]
+    # A front for engines elsewhere names the model they serve unless told a name.
+    unnamed = isinstance(engine, RemoteReplicas) and not getattr(args, "model_given", True)
+    names = args.served_model_name or [info.model if unnamed else engine.config.model]
     config = engine.config
     cache_config = {
         "block_size": info.block_size,
@@ -331,7 +338,9 @@ def _state(engine: Engine, args: argparse.Namespace, api_key: str | None) -> Ser
         "swap_space_bytes": config.swap_space if config.preemption_mode == "swap" else 0,
         "gpu_memory_utilization": config.gpu_memory_utilization,
     }
-    metrics = ServerMetrics(names[0], info.max_model_len, cache_config)
+    metrics = ServerMetrics(
+        names[0], info.max_model_len, cache_config, num_engines=client.data_parallel_size
+    )
     monitor = EngineMonitor(client, metrics, args.stall_timeout, engine)
     text = TextTools(
         info.tokenizer, args.chat_template, args.chat_template_content_format, info.max_model_len
@@ -354,7 +363,7 @@ def _state(engine: Engine, args: argparse.Namespace, api_key: str | None) -> Ser
     )
 
 
-def _announce(engine: Engine, listener: socket.socket, model: str, scheme: str) -> None:
+def _announce(engine: Any, listener: socket.socket, model: str, scheme: str) -> None:
     host, port = listener.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     url = f"{scheme}://{host}:{port}"
@@ -362,10 +371,11 @@ def _announce(engine: Engine, listener: socket.socket, model: str, scheme: str) 
     # The first line is what `mpengine serve` always printed (IPC clients parse it).
     print(f"mpengine: serving {model_path} at {engine.address}", flush=True)
     print(f"mpengine: HTTP API at {url}/v1 (model {model!r})", flush=True)
-    if engine.address.startswith("ipc://"):
-        directory = ipc_dir(engine.address)
-        record = read_engine_file(directory) or {}
-        write_engine_file(directory, {**record, "http": url})
+    for address in [] if isinstance(engine, RemoteReplicas) else engine.address.split(","):
+        if address.startswith("ipc://"):  # (each replica's record: for stacks and top)
+            directory = ipc_dir(address)
+            record = read_engine_file(directory) or {}
+            write_engine_file(directory, {**record, "http": url})
 
 
 async def _watch(monitor: EngineMonitor, notifier: Notifier, model: str, interval: float) -> None:
@@ -383,7 +393,7 @@ async def _watch(monitor: EngineMonitor, notifier: Notifier, model: str, interva
         await asyncio.sleep(interval)
 
 
-async def _drain(state: ServerState, engine: Engine, timeout: float) -> None:
+async def _drain(state: ServerState, engine: Any, timeout: float) -> None:
     """Refuse new requests, let the admitted ones finish until ``timeout``, abort the rest."""
     state.draining = state.monitor.draining = True
     engine.stop_admitting()

@@ -218,13 +218,3 @@ def test_ranks_on_two_nodes(start_engine, tmp_path) -> None:
             node1.kill()
             node1.wait(10)
         log.close()
-
-
-def test_a_headless_node_needs_its_place() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "mpengine.cli", "serve", "tiny", "--headless"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode != 0 and "--node-rank (above 0)" in done.stderr

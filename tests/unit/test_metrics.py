@@ -19,6 +19,8 @@ def values(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
             if sample.name.endswith("_created"):
                 continue
             assert sample.labels.pop("model_name") == "m"
+            if sample.name.startswith("mpengine:"):  # every series names its replica
+                assert sample.labels.pop("engine") == "0", sample.name
             parsed[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
     return parsed
 

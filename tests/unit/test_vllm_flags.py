@@ -80,7 +80,7 @@ def test_the_help_says_what_each_flag_does() -> None:
     text = " ".join(serve.format_help().split())
     assert "vLLM's flags" in text
     assert "--trust-remote-code no effect: models run with transformers' own classes" in text
-    assert "other values refused: this engine serves one replica" in text
+    assert "other values refused: layers are not split in stages" in text
 
 
 @pytest.mark.parametrize(
