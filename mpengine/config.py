@@ -284,7 +284,8 @@ HELP = {
     "load stays even; client/routing.py)",
     "distributed_executor_backend": "where replicas run: mp (processes of this host) or ray "
     "(a Ray actor each, on whichever node of the Ray cluster has the resources; "
-    "pip install 'mpengine[ray]'; RAY_ADDRESS names the cluster, else a local one starts)",
+    "pip install 'mpengine[ray]'; RAY_ADDRESS names the cluster, else the one this host "
+    "joined with 'ray start', else a local one starts)",
     "cuda_visible_devices": "the GPUs this engine's processes see (CUDA_VISIBLE_DEVICES; "
     "data-parallel replicas get a slice each when there are enough)",
     "enforce_eager": "never replay CUDA graphs: run every step eagerly (CUDA only; decode "

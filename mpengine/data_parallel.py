@@ -144,9 +144,10 @@ class DataParallelEngine(Launcher):
                 replica.shutdown()
                 raise EngineStartError("the engine is stopping")
             self.replicas[index] = replica
-            if hasattr(replica, "supervise"):
-                for client in list(self._clients):
+            for client in list(self._clients):
+                if hasattr(replica, "supervise"):
                     replica.supervise(client)
+                client.replica_moved(index, replica.address)  # (Ray: another node, port)
         replica.on_death(lambda reason: self._replica_died(index, reason))
         logger.info("replica %d serves at %s", index, replica.address)
 
@@ -208,7 +209,11 @@ class DataParallelEngine(Launcher):
 
     @property
     def addresses(self) -> list[str]:
-        return [config.address for config in self.configs]  # type: ignore[misc]
+        """Each replica's address (a Ray replica's is its node's, known once placed)."""
+        return [
+            config.address if replica is None else replica.address  # type: ignore[misc]
+            for config, replica in zip(self.configs, self.replicas, strict=True)
+        ]
 
     @property
     def address(self) -> str:

@@ -330,6 +330,12 @@ class ClientBase:
         data-parallel replica whose scheduler it was."""
         self._conn.scheduler_lost(reason, replica)
 
+    def replica_moved(self, replica: int, address: str) -> None:
+        """For the launcher that made this client: data-parallel ``replica`` serves at
+        ``address`` now (started again elsewhere); the client connects there."""
+        if isinstance(self._conn, Replicas):
+            self._conn.readdress(replica, address)
+
     def replica_recovering(self, stage: str | None, replica: int | None = None) -> None:
         """For the launcher that made this client: the engine (or data-parallel replica)
         restarts its ``stage`` (None: done); new requests go to other replicas meanwhile."""

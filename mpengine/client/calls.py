@@ -187,8 +187,8 @@ class Calls(ClientBase):
         conversations, batch = chats(messages, request_id)
         prompts = yield self._rendered(conversations, ChatOptions.of(locals()))
         ids = [request_id] * len(prompts)
-        batch = self._generations(prompts, params, ids, priority, tenant, data_parallel_rank)
-        outs = yield from self._finished(batch, timeout)
+        made = self._generations(prompts, params, ids, priority, tenant, data_parallel_rank)
+        outs = yield from self._finished(made, timeout)
         return outs if batch else outs[0]
 
     @streams.eagerly

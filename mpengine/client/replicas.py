@@ -350,6 +350,15 @@ class Replicas:
             if one.conn is not None:
                 one.conn.engine_died(reason)
 
+    def readdress(self, index: int, address: str) -> None:
+        """Replica ``index`` serves at ``address`` now: connect there (the retry thread
+        does, once its old connection has ended)."""
+        replica = self.replicas[index]
+        if replica.address != address:
+            replica.address = address
+            if replica.conn is not None:
+                replica.conn.engine_died(f"replica {index} moved to {address}")
+
     def replica_recovering(self, stage: str | None, replica: int | None = None) -> None:
         for one in self.replicas if replica is None else [self.replicas[replica]]:
             if one.conn is not None:

@@ -1090,9 +1090,11 @@ def _metrics(server: Served) -> dict[tuple[str, tuple], float]:
     values = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            own = ("model_name", "engine")
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in own))
             if family.name.startswith("mpengine:") and not sample.name.endswith("_created"):
                 assert sample.labels["model_name"] == NAMES[0]
+                assert sample.labels["engine"] == "0"  # (one engine: replica 0)
                 values[sample.name, labels] = sample.value
     return values
 

@@ -307,7 +307,7 @@ def test_an_abandoned_request_counts_its_unfinished_inputs_as_aborted(server: Se
 def _successes(server: Served, reason: str) -> float:
     status, text = _get(server, "/metrics")
     assert status == 200
-    prefix = f'mpengine:request_success_total{{finished_reason="{reason}"'
+    prefix = f'mpengine:request_success_total{{engine="0",finished_reason="{reason}"'
     lines = [x for x in text.splitlines() if x.startswith(prefix)]
     return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
 

@@ -281,7 +281,10 @@ def test_http_streams_go_on_across_a_restart(tmp_path: Path) -> None:
         assert ["".join(texts[i]) for i in texts] == want
         with urllib.request.urlopen(served.url + "/metrics", timeout=TIMEOUT_S) as reply:
             metrics = reply.read().decode()
-        assert 'mpengine:stage_restarts_total{model_name="tiny",stage="output"} 1.0' in metrics
+        assert (
+            'mpengine:stage_restarts_total{engine="0",model_name="tiny",stage="output"} 1.0'
+            in metrics
+        )
         with urllib.request.urlopen(served.url + "/health", timeout=TIMEOUT_S) as reply:
             assert reply.status == 200
 
