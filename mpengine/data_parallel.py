@@ -83,6 +83,8 @@ def replica_config(config: EngineConfig, index: int, base: str, gpus: int) -> En
         "engine_id": config.engine_id[: 16 - len(suffix)] + suffix,
         "address": replica_address(config.address, index, base),
     }
+    if config.tensor_parallel_size > 1 and config.master_port:  # each its process group
+        updates["master_port"] = config.master_port + 2 * index
     if config.device != "cpu" and gpus:
         size, tp = config.data_parallel_size, config.tensor_parallel_size
         if gpus >= size * tp and config.cuda_visible_devices is None:
