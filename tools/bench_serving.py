@@ -26,6 +26,13 @@ p99) and the ratio of their throughputs. The JSON is rewritten after every round
 
     python tools/bench_serving.py --model tiny --concurrency 64 --requests 256
 
+``-dp 1 2``: all of it with one engine, then with two data-parallel replicas behind the
+same front (``mpengine serve --data-parallel-size 2``; on the CPU each replica's executor
+takes its share of the cores), rows named ``ipc dp1``, ``http dp2``...; at the end each
+size's tokens/s over the first size's:
+
+    python tools/bench_serving.py --model small -dp 1 2 --concurrency 32 --requests 64 --no-hf
+
 ``--chat``: every request is a conversation instead (one user message: a question from a
 fixed list after seeded filler words, as many as bring the prompt the chat template renders
 to the drawn --prompt-min..--prompt-max tokens, as near as the template's own tokens allow).
@@ -383,10 +390,14 @@ async def open_loop(
 # -- the runs --------------------------------------------------------------------------------
 
 
-def start_server(args: argparse.Namespace, directory: str) -> tuple[subprocess.Popen, str, str]:
+def start_server(
+    args: argparse.Namespace, directory: str, replicas: int = 1
+) -> tuple[subprocess.Popen, str, str]:
+    """``mpengine serve`` with ``replicas`` data-parallel replicas: the process, its URL
+    and the engine's address (every replica's, as it prints them)."""
     cmd = [sys.executable, "-m", "mpengine.cli", "serve", "--model", args.model, "--port", "0"]
     cmd += ["--address", f"ipc://{directory}/engine", "--log-level", "WARNING"]
-    cmd += ["--device", args.device]
+    cmd += ["--device", args.device, "--data-parallel-size", str(replicas)]
     cmd += ["--max-num-seqs", str(max(args.concurrency, 8)), *args.engine_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE)
     fd, pending, deadline = proc.stdout.fileno(), b"", time.monotonic() + 300
@@ -398,7 +409,8 @@ def start_server(args: argparse.Namespace, directory: str) -> tuple[subprocess.P
             raise SystemExit(f"mpengine serve did not start: {pending.decode()}")
         pending += data
     url = pending.split(b"HTTP API at ", 1)[1].split()[0].decode().removesuffix("/v1")
-    return proc, url, f"ipc://{directory}/engine/requests.sock"
+    address = pending.split(b"mpengine: serving ", 1)[1].split(b"\n")[0].rsplit(b" at ", 1)[1]
+    return proc, url, address.decode()
 
 
 async def run_mode(
@@ -509,7 +521,7 @@ def median_result(results: list[Result]) -> Result:
 
 def print_table(results: list[Result]) -> None:
     head = (
-        f"{'mode':<13}{'load':>13}{'reqs':>6}{'fail':>5}{'req/s':>8}{'tok/s':>9}"
+        f"{'mode':<18}{'load':>13}{'reqs':>6}{'fail':>5}{'req/s':>8}{'tok/s':>9}"
         f"{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
         f"{'preempt':>9}{'client':>8}"
     )
@@ -517,7 +529,7 @@ def print_table(results: list[Result]) -> None:
     print("-" * len(head))
     for r in results:
         print(
-            f"{r.mode:<13}{r.load:>13}{r.requests:>6}{r.failed:>5}{r.requests_per_s:>8.1f}"
+            f"{r.mode:<18}{r.load:>13}{r.requests:>6}{r.failed:>5}{r.requests_per_s:>8.1f}"
             f"{r.tokens_per_s:>9.0f}{r.ttft_p50_ms:>10.1f}{r.ttft_p99_ms:>8.1f}"
             f"{r.tpot_p50_ms:>10.1f}{r.tpot_p99_ms:>8.1f}"
             f"{r.itl_p50_ms:>9.1f}{r.itl_p99_ms:>8.1f}{r.preemptions:>9}{r.client_cpu:>8.0%}"
@@ -582,6 +594,15 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="serve with each of these numbers of replicas in turn (-dp 1 2: one engine, "
+        "then two behind the same front; on the CPU the cores split between them)",
+    )
     parser.add_argument("--json", default="bench_serving.json")
     parser.add_argument(
         "engine_args", nargs="*", help="more `mpengine serve` flags (after --)", default=[]
@@ -590,14 +611,22 @@ def main() -> None:
     stop_on_sigterm()
     report = Report(args.json, args)
 
-    with tempfile.TemporaryDirectory(prefix="bench-serving-") as directory:
-        proc, url, address = start_server(args, directory)
-        try:
-            outcome = asyncio.run(bench(args, url, address, report))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
-    results: list[Result] = outcome["results"]
+    results: list[Result] = []
+    rounds: dict[str, list] = {}
+    sizes = args.data_parallel_size
+    for size in sizes:
+        with tempfile.TemporaryDirectory(prefix="bench-serving-") as directory:
+            proc, url, address = start_server(args, directory, size)
+            try:
+                outcome = asyncio.run(bench(args, url, address, report))
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+        label = f" dp{size}" if len(sizes) > 1 else ""
+        for result in outcome["results"]:
+            result.mode += label
+        results += outcome["results"]
+        rounds |= {mode + label: runs for mode, runs in outcome["rounds"].items()}
     if not args.no_hf:
         try:
             results.append(hf_static(outcome["requests"], args, outcome["model_path"]))
@@ -614,6 +643,14 @@ def main() -> None:
         "http_over_ipc_requests_per_s": http.requests_per_s / ipc.requests_per_s,
         "http_over_ipc_tokens_per_s": http.tokens_per_s / ipc.tokens_per_s,
     }
+    scaling = {}
+    for size in sizes[1:]:  # each size's HTTP and IPC throughput over the first size's
+        for mode in ("ipc", "http"):
+            base = next(r for r in results if r.mode == f"{mode} dp{sizes[0]}")
+            more = next(r for r in results if r.mode == f"{mode} dp{size}")
+            scaling[f"{mode}_dp{size}_over_dp{sizes[0]}"] = more.tokens_per_s / base.tokens_per_s
+    for name, ratio in scaling.items():
+        print(f"{name}: {ratio:.2f}x the tokens/s")
     print(
         f"\nHTTP layer at C={args.concurrency}: "
         f"{ratios['http_over_ipc_tokens_per_s']:.2f}x the IPC tokens/s, "
@@ -623,7 +660,8 @@ def main() -> None:
     # NaN (no inter-token latency) as null: strict JSON.
     report.finish(
         results=_nan_to_none([asdict(r) for r in results]),
-        rounds=_nan_to_none({m: [asdict(r) for r in rs] for m, rs in outcome["rounds"].items()}),
+        rounds=_nan_to_none({m: [asdict(r) for r in rs] for m, rs in rounds.items()}),
+        data_parallel_scaling=scaling,
         http_added=_nan_to_none(added),
         ratios=ratios,
     )
