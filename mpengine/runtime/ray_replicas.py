@@ -30,6 +30,7 @@ from mpengine.config import EngineConfig
 from mpengine.errors import EngineStartError
 from mpengine.launch import DRAIN_TIMEOUT_S, Engine
 from mpengine.protocol import ModelInfo, encoder
+from mpengine.runtime.restarts import Restarts
 
 # How often the front asks each actor about its engine: a death is told within about
 # POLL_S, for some 0.7 ms of CPU a poll (the front's and the actor's, on two cores).
@@ -162,7 +163,7 @@ class RayReplica:
         self.index = index
         self.dead: str | None = None
         self.recovering: str | None = None
-        self.restarts_total: dict[str, int] = {}
+        self.restarts = Restarts(0, 1.0)  # its engine's stage restarts (``total``), as polled
         self.pids: dict[str, int] = {}
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -231,7 +232,7 @@ class RayReplica:
         errors = ray.exceptions
         while not self._closing.wait(POLL_S):
             try:
-                dead, self.recovering, self.restarts_total, self.pids = ray.get(
+                dead, self.recovering, self.restarts.total, self.pids = ray.get(
                     self.actor.status.remote(), timeout=CALL_TIMEOUT_S
                 )
             except (errors.GetTimeoutError, errors.ActorUnavailableError):

@@ -118,7 +118,7 @@ class EngineMonitor:
             return
         replicas = getattr(engine, "replicas", [engine])
         for index, replica in enumerate(replicas):
-            counts = dict(getattr(getattr(replica, "restarts", None), "total", {}))
+            counts = dict(replica.restarts.total) if replica is not None else {}
             if replica is not engine and (again := engine.restarts.total.get(f"replica {index}")):
                 counts["replica"] = again
             self.metrics.engine.restarts[index] = counts
