@@ -27,7 +27,10 @@ DUMP_QUIET_S = 0.1  # a dump is complete once its file stops growing for this lo
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("stacks", help="print every thread's stack of each engine process")
     parser.add_argument(
-        "address", nargs="?", help="the engine's ipc:// address, or `mpengine serve`'s URL"
+        "address",
+        nargs="?",
+        help="the engine's ipc:// address (a data-parallel engine's: its replicas', separated "
+        "by commas), or `mpengine serve`'s URL",
     )
     parser.add_argument("--pid", type=int, help="the pid of the engine's launcher or a stage")
     parser.add_argument(
@@ -48,13 +51,17 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     """``mpengine stacks``: every thread's stack, for each process of the engine."""
     if (args.address is None) == (args.pid is None):
         raise SystemExit("mpengine stacks: give an ipc:// ADDRESS or --pid PID")
-    address = None if args.address is None else engine_address(args.address)
-    try:
-        engine = find_engine(address, args.pid)
-    except (ValueError, OSError) as exc:
-        raise SystemExit(f"mpengine stacks: {exc}") from None
-    dumps = dump_stacks(engine, False if args.faulthandler else None, args.timeout)
-    print(format_stacks(dumps, engine))
+    # (a data-parallel engine's replicas: each its own processes, under its address)
+    addresses = [None] if args.address is None else engine_address(args.address).split(",")
+    for address in addresses:
+        try:
+            engine = find_engine(address, args.pid)
+        except (ValueError, OSError) as exc:
+            raise SystemExit(f"mpengine stacks: {exc}") from None
+        dumps = dump_stacks(engine, False if args.faulthandler else None, args.timeout)
+        if len(addresses) > 1:
+            print(f"##### {address}\n")
+        print(format_stacks(dumps, engine))
     return 0
 
 

@@ -200,6 +200,14 @@ def test_serve_data_parallel_over_http(tmp_path: Path) -> None:
         assert top.returncode == 0, top.stderr
         assert "replica 0" in top.stdout and "replica 1" in top.stdout
         assert "executor dp1" in top.stdout
+        stacks = subprocess.run(
+            [sys.executable, "-m", "mpengine.cli", "stacks", printed, "--faulthandler"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert stacks.returncode == 0, stacks.stderr
+        assert stacks.stdout.count("=== scheduler (pid") == 2, stacks.stdout
 
 
 def test_a_front_for_replicas_started_elsewhere(tmp_path: Path) -> None:
