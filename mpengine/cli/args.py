@@ -426,8 +426,7 @@ def running_engine(args: argparse.Namespace):
     from mpengine.client.sync_client import Client
 
     args.address = engine_address(args.address)
-    for address in args.address.split(","):  # (a data-parallel engine's replicas)
-        check_address(address)
+    check_address(args.address)
     token = auth_token_from_args(args)
     return Client(args.address, timeout=args.timeout, auth_token=token)
 
@@ -458,7 +457,12 @@ def engine_address(address: str) -> str:
 
 def check_address(address: str) -> None:
     """Exit with one line unless ``address`` is an engine's address (an ipc socket that
-    exists): a client would wait out its whole handshake timeout."""
+    exists; a data-parallel engine's: each of its replicas', separated by commas): a
+    client would wait out its whole handshake timeout."""
+    if "," in address:
+        for replica in address.split(","):
+            check_address(replica)
+        return
     if not address.startswith(("ipc://", "tcp://")):
         raise SystemExit(f"mpengine: {address!r} is not an ipc:// or tcp:// address")
     if not address.startswith("ipc://"):
