@@ -41,7 +41,7 @@ import msgspec
 from mpengine.addresses import split_tcp
 from mpengine.client.async_client import AsyncClient
 from mpengine.client.sync_client import Client
-from mpengine.config import EngineConfig
+from mpengine.config import EngineConfig, available_cpus
 from mpengine.errors import EngineStartError
 from mpengine.launch import DRAIN_TIMEOUT_S, Engine, Launcher, wait_until_idle
 from mpengine.runtime.restarts import Restarts
@@ -124,9 +124,8 @@ class DataParallelEngine(Launcher):
 
             connect_ray(None)
         try:
-            with ThreadPoolExecutor(size) as pool:
-                for _ in pool.map(self._start, range(size)):
-                    pass
+            with ThreadPoolExecutor(size) as pool:  # (in parallel: the model loads overlap)
+                list(pool.map(self._start, range(size)))
         except BaseException:
             self._stop_all()
             raise
@@ -155,8 +154,6 @@ class DataParallelEngine(Launcher):
 
     def _cpu_share(self) -> float:
         """The CPUs a Ray actor of one replica asks for: its share of this host's."""
-        from mpengine.config import available_cpus
-
         return max(1.0, available_cpus() / self.config.data_parallel_size)
 
     # -- supervise ------------------------------------------------------------------------
