@@ -34,7 +34,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 
@@ -43,12 +43,11 @@ from mpengine.client.async_client import AsyncClient
 from mpengine.client.sync_client import Client
 from mpengine.config import EngineConfig, available_cpus
 from mpengine.errors import EngineStartError
-from mpengine.launch import DRAIN_TIMEOUT_S, Engine, Launcher, wait_until_idle
+from mpengine.launch import DRAIN_TIMEOUT_S, Engine, wait_until_idle
+from mpengine.launcher import C, Launcher
 from mpengine.runtime.restarts import Restarts
 
 logger = logging.getLogger(__name__)
-
-C = TypeVar("C", Client, AsyncClient)
 
 REPLICA_STOP_S = 10.0  # for a dead replica's engine to clean up before it starts again
 

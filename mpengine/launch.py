@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 
@@ -48,7 +48,8 @@ from mpengine.addresses import split_tcp
 from mpengine.client.async_client import AsyncClient
 from mpengine.client.sync_client import Client
 from mpengine.config import EngineConfig, MiB, available_cpus
-from mpengine.errors import EngineDeadError, EngineStartError
+from mpengine.errors import EngineStartError
+from mpengine.launcher import C, Launcher
 from mpengine.models.resolve import check_model
 from mpengine.protocol import (
     ModelInfo,
@@ -80,7 +81,6 @@ from shm.segment import free_space as shm_free_bytes
 from shm.segment import owner_prefix, pid_alive, pid_namespace
 
 logger = logging.getLogger(__name__)
-C = TypeVar("C", Client, AsyncClient)
 
 STOP_GRACE_S = 5.0
 STARTUP_STOP_GRACE_S = 0.5
@@ -240,43 +240,6 @@ def _check_model(config: EngineConfig) -> None:
         raise EngineStartError(str(exc)) from None
 
 
-class Launcher:
-    """What every launcher gives its caller: clients of its engine, told at once when a
-    stage dies (``_make_client``), unless the engine is gone."""
-
-    config: EngineConfig
-    dead: str | None
-    _stopping: threading.Event
-
-    def client(
-        self, *, timeout: float = 30.0, client_id: str | None = None, auth_token: str | None = None
-    ) -> Client:
-        """A ``Client`` of this engine (with its auth token unless given another); told at
-        once if a stage dies."""
-        return self._connect(Client, timeout, client_id, auth_token)
-
-    def async_client(
-        self, *, timeout: float = 30.0, client_id: str | None = None, auth_token: str | None = None
-    ) -> AsyncClient:
-        """An ``AsyncClient`` of this engine, as ``client``."""
-        return self._connect(AsyncClient, timeout, client_id, auth_token)
-
-    def _connect(
-        self, kind: type[C], timeout: float, client_id: str | None, auth_token: str | None
-    ) -> C:
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead}")
-        if self._stopping.is_set():
-            raise EngineDeadError("the engine was shut down")
-        token = auth_token if auth_token is not None else self.config.auth_token
-        return self._make_client(kind, timeout, client_id, token)
-
-    def _make_client(
-        self, kind: type[C], timeout: float, client_id: str | None, token: str | None
-    ) -> C:
-        raise NotImplementedError
-
-
 class Engine(Launcher):
     """A running engine; a context manager that stops it on exit. With
     ``data_parallel_size`` above 1, ``Engine(config)`` starts every replica
@@ -292,8 +255,7 @@ class Engine(Launcher):
 
     def __init__(self, config: EngineConfig, *, replica: bool = False) -> None:
         self.config = config = config.resolve()
-        # Which replica of a data-parallel set it is (None: the engine alone): its clients
-        # are told of its stages' deaths as that replica's.
+        # Which data-parallel replica (None: alone): its clients hear of deaths as its.
         self.replica = config.data_parallel_rank if config.data_parallel_size > 1 else None
         self._pid = os.getpid()  # a forked child's copy must not stop its parent's engine
         self.model: ModelInfo | None = None

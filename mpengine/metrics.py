@@ -301,8 +301,16 @@ class EngineCollector(Collector):
         self.stats[engine] = stats
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._replica_metrics()
+        polled = sorted(self.stats.items())
+        if polled:
+            yield from self._engine_metrics(polled)
+            yield from self._stage_metrics(polled)
+
+    def _replica_metrics(self) -> Iterator[Metric]:
+        """Each replica's restarts (its stages', and its own as ``replica``) and whether
+        it takes requests."""
         m = self.model_name
-        engines = [str(engine) for engine in range(self.num_engines)]
         restarts = CounterMetricFamily(
             PREFIX + "stage_restarts",
             "Stages restarted after they died, by stage.",
@@ -313,17 +321,23 @@ class EngineCollector(Collector):
             "Whether the replica takes requests (0: its stage died, or it is out of reach).",
             labels=["model_name", "engine"],
         )
-        for engine, label in enumerate(engines):
+        for engine in range(self.num_engines):
             counts = self.restarts.get(engine, {})
-            stages = ("scheduler", "executor", "output", *(s for s in counts if s.startswith("r")))
+            stages = (
+                "scheduler",
+                "executor",
+                "output",
+                *(("replica",) if "replica" in counts else ()),
+            )
             for stage in stages:
-                restarts.add_metric([m, label, stage], counts.get(stage, 0))
-            up.add_metric([m, label], float(self.up.get(engine, engine in self.stats)))
+                restarts.add_metric([m, str(engine), stage], counts.get(stage, 0))
+            up.add_metric([m, str(engine)], float(self.up.get(engine, engine in self.stats)))
         yield restarts
         yield up
-        polled = sorted(self.stats.items())
-        if not polled:
-            return
+
+    def _engine_metrics(self, polled: list[tuple[int, EngineStats]]) -> Iterator[Metric]:
+        """Each replica's levels and totals from its stats."""
+        m = self.model_name
 
         def family(
             kind: type, name: str, doc: str, value: Callable[[EngineStats], float]
@@ -390,7 +404,6 @@ class EngineCollector(Collector):
                 tokens.add_metric([m, str(engine)], buckets, float(stats.computed_tokens))
         if tokens.samples:
             yield tokens
-        yield from self._stage_metrics(polled)
         yield family(counter, "steps", "Steps output-processed.", lambda s: s.done)
         yield family(
             gauge,

@@ -147,9 +147,8 @@ class Replicas:
                 + "; ".join(f"{r.address}: {r.error or 'no answer'}" for r in self.replicas)
             )
         deadline = time.monotonic() + min(CONNECT_S, timeout)
-        for replica in self.replicas:
-            while replica.connecting and time.monotonic() < deadline:
-                time.sleep(0.01)
+        for replica, attempt in zip(self.replicas, self._tries, strict=True):
+            attempt.join(max(0.0, deadline - time.monotonic()))
             if replica.conn is None:
                 logger.warning(
                     "replica %d (%s) is out of reach, tried again every %g s: %s",
